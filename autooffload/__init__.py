@@ -1,0 +1,36 @@
+"""autooffload: keep activation checkpointing's saved inputs on the device while they fit, and move them to
+pinned host memory, per micro-batch, when a long sequence or a full device says they must go."""
+
+from .controller import AutoOffloadWarning, OffloadController
+from .offload import OffloadStats
+from .policy import HysteresisPolicy, Observation, Policy
+from .probe import MemoryProbe, MemoryReading, NvmlProbe, ProbeUnavailable, ScriptedProbe
+from .settings import Settings, SettingsError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoOffloadCallback",
+    "AutoOffloadWarning",
+    "HysteresisPolicy",
+    "MemoryProbe",
+    "MemoryReading",
+    "NvmlProbe",
+    "Observation",
+    "OffloadController",
+    "OffloadStats",
+    "Policy",
+    "ProbeUnavailable",
+    "ScriptedProbe",
+    "Settings",
+    "SettingsError",
+]
+
+
+def __getattr__(name: str):
+    # The callback imports transformers; a custom loop or the policy alone should not pay for that.
+    if name == "AutoOffloadCallback":
+        from .callback import AutoOffloadCallback
+
+        return AutoOffloadCallback
+    raise AttributeError(f"module 'autooffload' has no attribute {name!r}")

@@ -1,0 +1,23 @@
+"""``python -m autooffload`` / ``autooffload``: the command line (``demo``, ``estimate``)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ("demo", "estimate")
+    if not argv or argv[0] not in commands:
+        print(f"usage: autooffload {{{','.join(commands)}}} [options]", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from .demo import main as run
+    else:
+        from .estimate import main as run
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

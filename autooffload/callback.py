@@ -1,0 +1,166 @@
+"""The Trainer adapter: a thin layer that feeds Trainer's events to an :class:`OffloadController`.
+
+Trainer enables checkpointing inside ``train()``, after ``on_init_end`` and before ``on_train_begin``, so
+the controller attaches in ``on_train_begin``. That also repairs what transformers made of ``offload``:
+before 5.17 the key reaches torch's checkpoint and fails at the first forward; from 5.17 any truthy value,
+``"auto"`` included, means always-on. Installing autooffload's functions replaces both.
+
+Logs: Trainer appends a copy of ``logs`` to ``state.log_history`` and then calls the reporting callbacks
+(TensorBoard, W&B) before user callbacks, so keys added in ``on_log`` would reach neither. The callback
+therefore adds its keys on the way in, by wrapping the ``log`` method of the Trainer that runs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from .controller import OffloadController, logger
+from .policy import Policy
+from .probe import MemoryProbe
+from .settings import ENV_PREFIX, Settings, offload_mode
+
+
+def checkpointing_kwargs(args: Any) -> dict[str, Any]:
+    """The checkpointing kwargs from TrainingArguments, under either name (``activation_`` from 5.23)."""
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if isinstance(value, dict) and value:
+            return value
+    return {}
+
+
+def _running_trainer() -> Trainer | None:
+    """The Trainer whose event is being dispatched: found up the call stack, since callbacks are not given it."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class AutoOffloadCallback(TrainerCallback, ExportableState):
+    """Offload checkpointed activations to host memory when, and only when, a step needs it.
+
+    Arguments override ``AUTOOFFLOAD_*`` environment variables, which override the ``offload`` key of the
+    checkpointing kwargs, which overrides the defaults (see :class:`~autooffload.settings.Settings`).
+    ``probe`` and ``policy`` replace the NVML reading and the hysteresis policy.
+    """
+
+    _latest: weakref.ReferenceType | None = None
+
+    def __init__(
+        self,
+        mode: str | None = None,
+        memory_high: float | None = None,
+        memory_low: float | None = None,
+        seq_high: int | None = None,
+        seq_low: int | None = None,
+        min_steps: int | None = None,
+        compile_max_switches: int | None = None,
+        engine: str | None = None,
+        *,
+        probe: MemoryProbe | str | None = "auto",
+        policy: Policy | None = None,
+    ) -> None:
+        given = dict(
+            mode=mode,
+            memory_high=memory_high,
+            memory_low=memory_low,
+            seq_high=seq_high,
+            seq_low=seq_low,
+            min_steps=min_steps,
+            compile_max_switches=compile_max_switches,
+            engine=engine,
+        )
+        self.explicit = {k: v for k, v in given.items() if v is not None}
+        self.controller = OffloadController(Settings.from_env(**self.explicit), probe=probe, policy=policy)
+        self._log_wrapped = False
+        self._predecessor = AutoOffloadCallback._latest
+        AutoOffloadCallback._latest = weakref.ref(self)
+
+    # ---- settings from TrainingArguments -------------------------------------------------------------
+
+    def _resolve_settings(self, args: Any) -> None:
+        mode = offload_mode(checkpointing_kwargs(args).get("offload"))
+        settings = self.controller.settings
+        if mode is not None and "mode" not in self.explicit and ENV_PREFIX + "MODE" not in os.environ:
+            settings = Settings.from_env(**{**self.explicit, "mode": mode})
+        self.controller.settings = settings
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._resolve_settings(args)
+
+    # ---- training ------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._resolve_settings(args)
+        trainer = _running_trainer()
+        compiled = bool(getattr(args, "torch_compile", False)) or None
+        if trainer is not None and compiled is None:
+            from .compile_guard import is_compiled
+
+            compiled = is_compiled(trainer.model_wrapped) or None
+        if model is not None:
+            self.controller.attach(model, compiled=compiled)
+        self._wrap_log(trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.controller.end_step()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._log_wrapped and logs is not None and "loss" in logs:
+            metrics = self.controller.metrics()
+            logs.update(metrics)
+            if state.log_history:
+                state.log_history[-1].update(metrics)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.controller.switch is not None and state.is_world_process_zero:
+            logger.info(self.controller.summary())
+        self.controller.detach()
+
+    def _wrap_log(self, trainer: Trainer | None) -> None:
+        self._log_wrapped = False
+        if trainer is None:
+            return
+        log = trainer.log
+        if getattr(log, "_autooffload", None) is not None:
+            log = log._autooffload_inner
+        controller = self.controller
+
+        def log_with_autooffload(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if "loss" in logs and controller.switch is not None:
+                logs.update(controller.metrics())
+            return log(logs, *args, **kwargs)
+
+        log_with_autooffload._autooffload = True
+        log_with_autooffload._autooffload_inner = log
+        trainer.log = log_with_autooffload
+        self._log_wrapped = True
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {"args": dict(self.explicit), "attributes": {"controller_state": self.controller.state_dict()}}
+
+    @property
+    def controller_state(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    @controller_state.setter
+    def controller_state(self, value: dict[str, Any]) -> None:
+        # On resume Trainer rebuilds this callback from ``state()["args"]`` and sets the attributes. A probe
+        # or policy object cannot go through JSON, so take them from the instance this one replaces.
+        previous = self._predecessor() if self._predecessor is not None else None
+        if previous is not None and previous is not self:
+            self.controller.probe_choice = previous.controller.probe_choice
+            self.controller.policy = previous.controller.policy
+        self.controller.load_state_dict(value)

@@ -1,0 +1,344 @@
+"""The controller: observe -> decide -> apply, with no training framework in sight.
+
+``attach(model)`` installs autooffload's checkpoint functions on the checkpointed modules and a forward
+pre-hook that reads every micro-batch's token count and decides, before that micro-batch's forward, how
+many layers offload. ``end_step()`` closes an optimizer step: it reads the memory probe and the bytes
+moved. The Trainer callback is a thin layer over these calls; a custom loop makes them itself::
+
+    controller = OffloadController()
+    controller.attach(model)
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_step()
+
+Nothing here may stop a training run: a probe that fails, a policy that raises, a model with nothing
+checkpointed or inputs it cannot read each produce one :class:`AutoOffloadWarning` and a safe fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from .compile_guard import CompileBudget, is_compiled
+from .offload import OffloadStats
+from .policy import HysteresisPolicy, Observation, Policy
+from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
+from .settings import Settings
+from .switch import CheckpointSwitch, find_targets
+
+logger = logging.getLogger("transformers.autooffload")
+
+ENABLE_HINT = (
+    "enable checkpointing first: TrainingArguments(activation_checkpointing=True) "
+    "(gradient_checkpointing=True before transformers 5.23) or model.gradient_checkpointing_enable()"
+)
+
+
+class AutoOffloadWarning(UserWarning):
+    """autooffload fell back to a safer behaviour; training goes on."""
+
+
+def token_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """(sequence length, tokens) of a model call, from ``input_ids`` or ``inputs_embeds``; None if neither."""
+    ids = kwargs.get("input_ids")
+    if ids is None and args and torch.is_tensor(args[0]) and not args[0].is_floating_point():
+        ids = args[0]
+    if torch.is_tensor(ids) and ids.dim() >= 1:
+        return int(ids.shape[-1]), int(ids.numel())
+    embeds = kwargs.get("inputs_embeds")
+    if torch.is_tensor(embeds) and embeds.dim() >= 2:
+        return int(embeds.shape[-2]), int(embeds.numel() // embeds.shape[-1])
+    return None
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+class OffloadController:
+    """Decides per micro-batch how many checkpointed layers keep their saved input in host memory.
+
+    ``settings``: a :class:`~autooffload.settings.Settings` (default: ``Settings.from_env()``).
+    ``probe``: a :class:`~autooffload.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
+    ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: a
+    :class:`~autooffload.policy.HysteresisPolicy` from the settings). ``compiled``: force or deny the
+    torch.compile budget; by default it is on when the attached model is compiled.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        probe: MemoryProbe | str | None = "auto",
+        policy: Policy | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.policy = policy if policy is not None else HysteresisPolicy.from_settings(self.settings)
+        self.probe_choice = probe
+        self.probe: MemoryProbe | None = None
+        self.stats = OffloadStats()
+        self.budget = CompileBudget(self.settings.compile_max_switches)
+        self.step = 0
+        self.switches = 0
+        self.steps_offloading = 0
+        self.latched = False
+        self.compiled = False
+        self.memory_fraction: float | None = None
+        self.peak_memory_fraction: float | None = None
+        self.last_step_bytes = 0
+        self.active = 0.0
+        self.last_seq_len = 0
+        self.last_tokens = 0
+        self.switch: CheckpointSwitch | None = None
+        self._hook: Any = None
+        self._micro_batches = 0
+        self._offloaded_this_step = False
+        self._policy_failed = False
+        self._restored_level: int | None = None
+        self._warned: set[str] = set()
+
+    # ---- apply ---------------------------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module, *, compiled: bool | None = None) -> bool:
+        """Install the checkpoint functions and the pre-forward hook. False (with a warning) if nothing to do."""
+        self.detach()
+        targets, unknown = find_targets(model)
+        for name in unknown:
+            self._warn(
+                f"unknown:{name}",
+                f"the checkpoint function of {name} is not torch.utils.checkpoint.checkpoint; autooffload "
+                "leaves it as it is and does not control that module",
+            )
+        if not targets:
+            self._warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
+            return False
+        self.switch = CheckpointSwitch(targets, self.stats)
+        self.compiled = is_compiled(model) if compiled is None else compiled
+        self.probe = self._make_probe(_model_device(model))
+        self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
+            self._latch()
+        level = self._restored_level if self._restored_level is not None else self._fixed_level()
+        self.switch.apply(level if level is not None else 0)
+        self.active = self._active_fraction()
+        logger.info(
+            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s",
+            len(self.switch.layers),
+            self.settings.mode,
+            type(self.probe).__name__ if self.probe is not None else "none",
+            self.compiled,
+        )
+        return True
+
+    def detach(self, *, restore: bool = False) -> None:
+        """Remove the pre-forward hook. Plain checkpointing stays installed unless ``restore`` puts back
+        the functions that were found (which, on some transformers releases, fail or always offload)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.switch is not None:
+            if restore:
+                self.switch.restore()
+            else:
+                self.switch.apply(0)
+            self.switch = None
+
+    def _make_probe(self, device: torch.device) -> MemoryProbe | None:
+        if self.probe_choice != "auto":
+            return self.probe_choice  # type: ignore[return-value]
+        try:
+            return NvmlProbe(device)
+        except ProbeUnavailable as error:
+            if self.settings.mode == "auto":
+                self._warn(
+                    "no-probe",
+                    f"no device memory reading ({error}); offload follows the sequence-length trigger alone "
+                    f"(AUTOOFFLOAD_SEQ_HIGH={self.settings.seq_high})",
+                )
+            return None
+
+    # ---- observe and decide --------------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        shape = token_shape(args, kwargs)
+        if shape is None:
+            self._warn(
+                "no-tokens",
+                f"{type(module).__name__} was called without input_ids or inputs_embeds; the sequence-length "
+                "trigger is off for such calls and only the memory reading decides",
+            )
+            shape = (0, 0)
+        self.before_forward(*shape)
+
+    def before_forward(self, seq_len: int, tokens: int) -> int:
+        """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded."""
+        if self.switch is None:
+            return 0
+        self._settle_budget()
+        self.last_seq_len, self.last_tokens = seq_len, tokens
+        level = self._decide(seq_len, tokens)
+        if level != self.switch.offloaded and self._micro_batches > 0:
+            self.switches += 1
+            logger.info(
+                "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s)",
+                self.step,
+                seq_len,
+                self.switch.offloaded,
+                level,
+                len(self.switch.layers),
+            )
+            if self.compiled:
+                self.budget.switched()
+        self.switch.apply(level)
+        self.active = self._active_fraction()
+        self._offloaded_this_step |= level > 0
+        self._micro_batches += 1
+        return level
+
+    def _fixed_level(self) -> int | None:
+        assert self.switch is not None
+        if self.latched or self.settings.mode == "on":
+            return len(self.switch.layers)
+        if self.settings.mode == "off":
+            return 0
+        return None
+
+    def _decide(self, seq_len: int, tokens: int) -> int:
+        assert self.switch is not None
+        fixed = self._fixed_level()
+        if fixed is not None:
+            return fixed
+        if self._policy_failed:
+            return 0
+        layers = len(self.switch.layers)
+        observation = Observation(self.step, seq_len, tokens, self.memory_fraction, layers)
+        try:
+            return max(0, min(int(self.policy.decide(observation)), layers))
+        except Exception as error:  # a user's policy must not end the run
+            self._policy_failed = True
+            self._warn(
+                "policy", f"policy {type(self.policy).__name__} raised {error!r}; plain checkpointing from now on"
+            )
+            return 0
+
+    def _settle_budget(self) -> None:
+        if not self.compiled:
+            return
+        self.budget.settle()
+        if self.budget.exhausted and not self.latched and self.settings.mode == "auto":
+            self._latch()
+
+    def _latch(self) -> None:
+        self.latched = True
+        self._warn(
+            "latched",
+            f"torch.compile: {self.budget.spent} offload switch(es) triggered recompilation, the budget "
+            f"AUTOOFFLOAD_COMPILE_MAX_SWITCHES={self.settings.compile_max_switches} is spent; offload stays on "
+            "(the memory-safe state) for the rest of the run",
+        )
+
+    # ---- close a step --------------------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """Close an optimizer step: bytes moved, memory reading, dwell counter."""
+        self._settle_budget()
+        self.last_step_bytes = self.stats.next_step()
+        self.steps_offloading += int(self._offloaded_this_step)
+        self._offloaded_this_step = False
+        self.memory_fraction = self._read_memory()
+        if self.memory_fraction is not None:
+            self.peak_memory_fraction = max(self.peak_memory_fraction or 0.0, self.memory_fraction)
+        self.step += 1
+
+    def _read_memory(self) -> float | None:
+        if self.probe is None:
+            return None
+        try:
+            reading = self.probe.read()
+        except Exception as error:  # NVML can fail mid-run (driver reset, XID); training goes on
+            self.probe = None
+            self._warn(
+                "probe-failed",
+                f"memory reading failed ({error!r}); the sequence-length trigger alone decides from now on",
+            )
+            return None
+        return None if reading is None else reading.fraction
+
+    def _active_fraction(self) -> float:
+        assert self.switch is not None
+        return self.switch.offloaded / len(self.switch.layers) if self.switch.layers else 0.0
+
+    # ---- report and resume ---------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """The ``autooffload/*`` values for a training log."""
+        logs = {
+            "autooffload/active": self.active,
+            "autooffload/offloaded_bytes": float(self.last_step_bytes),
+            "autooffload/switches": float(self.switches),
+        }
+        if self.memory_fraction is not None:
+            logs["autooffload/memory_fraction"] = self.memory_fraction
+        return logs
+
+    def summary(self) -> str:
+        share = self.steps_offloading / self.step if self.step else 0.0
+        text = (
+            f"autooffload: mode={self.settings.mode}, {self.step} step(s), offload in {self.steps_offloading} "
+            f"({share:.0%}), {self.switches} switch(es), {self.stats.total_bytes / 2**20:.1f} MiB moved to host"
+        )
+        if self.peak_memory_fraction is not None:
+            text += f", peak memory {self.peak_memory_fraction:.2f} of device"
+        if self.compiled:
+            text += f", compile: {self.budget.spent}/{self.settings.compile_max_switches} recompiling switch(es)"
+            text += ", latched on" if self.latched else ""
+        return text
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: enough for a resumed run to continue with the same offload level,
+        dwell counter, switch count and compile budget."""
+        return {
+            "step": self.step,
+            "switches": self.switches,
+            "steps_offloading": self.steps_offloading,
+            "total_bytes": self.stats.total_bytes,
+            "level": self.switch.offloaded if self.switch is not None else self._restored_level,
+            "latched": self.latched,
+            "budget_spent": self.budget.spent,
+            "policy": self.policy.state_dict() if hasattr(self.policy, "state_dict") else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.switches = int(state["switches"])
+        self.steps_offloading = int(state.get("steps_offloading", 0))
+        self.stats.total_bytes = int(state.get("total_bytes", 0))
+        self.latched = bool(state["latched"])
+        self.budget.spent = int(state["budget_spent"])
+        self._restored_level = state.get("level")
+        if self._restored_level is not None and self._restored_level >= 0:
+            self._micro_batches = 1
+        else:
+            self._restored_level = None
+        if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(state["policy"])
+        if self.switch is not None and self._restored_level is not None:
+            self.switch.apply(self._restored_level)
+            self.active = self._active_fraction()
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"autooffload: {message}", AutoOffloadWarning, stacklevel=3)

@@ -1,0 +1,112 @@
+"""``autooffload demo``: train a tiny random Qwen3 through Trainer on mixed lengths and show each decision.
+
+Runs anywhere (CPU included) in a few seconds. Per optimizer step it prints the micro-batch's sequence
+length, whether its checkpointed inputs were offloaded, the bytes the hooks moved, and the arithmetic
+they must equal: checkpointed layers x batch x seq x hidden x dtype-bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+
+import torch
+
+
+class MixedLengths(torch.utils.data.Dataset):
+    """Mostly short sequences and a few long ones, in a fixed order, from a seeded generator."""
+
+    def __init__(self, lengths: list[int], vocab_size: int) -> None:
+        self.lengths = lengths
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        ids = torch.randint(0, self.vocab_size, (self.lengths[index],), generator=generator)
+        return {"input_ids": ids, "labels": ids}
+
+
+def tiny_qwen3(layers: int = 4, hidden: int = 64, vocab_size: int = 256, seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        use_cache=False,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config)
+
+
+def checkpointing_arguments(offload: object = "auto") -> dict[str, object]:
+    """TrainingArguments kwargs that turn checkpointing on, under the names this transformers release uses."""
+    from transformers import TrainingArguments
+
+    names = TrainingArguments.__dataclass_fields__
+    prefix = "activation" if "activation_checkpointing" in names else "gradient"
+    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"offload": offload}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autooffload demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-high", type=int, default=256, help="sequence length that turns offload on")
+    parser.add_argument("--seq-low", type=int, default=128, help="sequence length below which it may turn off")
+    parser.add_argument("--min-steps", type=int, default=1)
+    parser.add_argument("--output-dir", default="/tmp/autooffload-demo")
+    options = parser.parse_args(argv)
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from .callback import AutoOffloadCallback
+
+    logging.getLogger("transformers.autooffload").setLevel(logging.INFO)
+    warnings.simplefilter("ignore", FutureWarning)
+    layers, hidden = 4, 64
+    lengths = [64, 64, 512, 64, 64, 64, 64, 384, 512, 64, 64, 64]
+    model = tiny_qwen3(layers, hidden)
+    callback = AutoOffloadCallback(seq_high=options.seq_high, seq_low=options.seq_low, min_steps=options.min_steps)
+    controller = callback.controller
+    rows: list[tuple[int, int, str, int, int]] = []
+
+    class PrintStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seq = controller.last_seq_len
+            offloaded = controller.active > 0
+            expected = layers * 1 * seq * hidden * 4 if offloaded else 0
+            rows.append(
+                (state.global_step, seq, "offload" if offloaded else "plain", controller.last_step_bytes, expected)
+            )
+
+    args = TrainingArguments(
+        output_dir=options.output_dir,
+        per_device_train_batch_size=1,
+        max_steps=len(lengths),
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        seed=0,
+        **checkpointing_arguments("auto"),
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=MixedLengths(lengths, 256), callbacks=[callback, PrintStep()]
+    )
+    trainer.train()
+
+    print(f"\n{'step':>4} {'seq':>5} {'mode':>8} {'bytes offloaded':>16} {'layers x seq x hidden x 4':>26}  ok")
+    for step, seq, mode, moved, expected in rows:
+        print(f"{step:>4} {seq:>5} {mode:>8} {moved:>16,} {expected:>26,}  {'yes' if moved == expected else 'NO'}")
+    print(controller.summary())
+    return 0 if all(moved == expected for *_, moved, expected in rows) else 1

@@ -1,0 +1,64 @@
+"""Apply, part 1: the saved-tensor hooks that move checkpointed inputs to host memory and back.
+
+``save_on_cpu(pin_memory=True)`` semantics, with three differences that matter in a training run:
+
+- Pinned memory is asked for only where a pinned allocator exists (an accelerator is present and the
+  tensor lives on it). On a CPU-only build ``save_on_cpu(pin_memory=True)`` fails at the first forward;
+  here the same path runs with pageable memory, so the hooks fire and are counted on any machine.
+- Every byte packed is counted, per optimizer step and in total, so the controller can report it and tests
+  can hold it against the arithmetic (layers x batch x seq x hidden x dtype-bytes).
+- The copies stay on the compute stream (``engine="sync"``): correct by construction, and the cost that
+  the controller exists to avoid paying when it is not needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """Bytes moved to host memory: in the current optimizer step, and since training began."""
+
+    step_bytes: int = 0
+    total_bytes: int = 0
+    tensors: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.step_bytes += nbytes
+        self.total_bytes += nbytes
+        self.tensors += 1
+
+    def next_step(self) -> int:
+        """Close the step: return its bytes and start counting the next one."""
+        moved, self.step_bytes = self.step_bytes, 0
+        return moved
+
+
+def _pinned_allocator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks: pack copies a tensor to (pinned) host memory, unpack copies it back."""
+
+    def __init__(self, stats: OffloadStats) -> None:
+        pin = _pinned_allocator_available()
+
+        def pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+            pin_this = pin and tensor.device.type != "cpu" and not tensor.is_sparse
+            host = torch.empty_like(tensor, device="cpu", pin_memory=pin_this)
+            host.copy_(tensor)
+            stats.add(tensor.numel() * tensor.element_size())
+            return tensor.device, host
+
+        def unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+            device, host = packed
+            return host.to(device, non_blocking=host.is_pinned())
+
+        super().__init__(pack, unpack)

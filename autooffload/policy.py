@@ -1,0 +1,87 @@
+"""Decide: how many checkpointed layers offload their saved input for the next micro-batch.
+
+A policy is pure: an :class:`Observation` in, a number of layers out. No torch, no clock, no I/O, so it can
+be driven with plain numbers in a test or a simulation, and a user can bring their own: any object with
+``decide(observation) -> int`` and, to survive a checkpoint, ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What is known before a micro-batch's forward.
+
+    ``step``: index of the optimizer step this micro-batch belongs to (0-based, continues across resumes).
+    ``seq_len``: the micro-batch's sequence length; ``tokens``: batch x sequence.
+    ``memory_fraction``: the peak of the last finished optimizer step as a fraction of device memory, or
+    ``None`` when there is no reading (no GPU, no NVML, no step finished yet).
+    ``layers``: how many layers are checkpointed, the most that can be offloaded.
+    """
+
+    step: int
+    seq_len: int
+    tokens: int
+    memory_fraction: float | None
+    layers: int
+
+
+class Policy(Protocol):
+    def decide(self, observation: Observation) -> int: ...
+
+
+class HysteresisPolicy:
+    """All-or-nothing offload with two thresholds per signal and a dwell.
+
+    On when memory >= ``memory_high`` or the sequence length >= ``seq_high``. Off only when memory <
+    ``memory_low`` (or unknown), the sequence length < ``seq_low``, and at least ``min_steps`` optimizer
+    steps have passed since the last switch. Turning on is never delayed: it is the memory-safe direction.
+    Between the thresholds the current state holds, so a signal hovering near one threshold cannot make
+    the offload flap.
+    """
+
+    def __init__(
+        self,
+        memory_high: float = 0.90,
+        memory_low: float = 0.80,
+        seq_high: int = 32768,
+        seq_low: int = 16384,
+        min_steps: int = 2,
+    ) -> None:
+        self.memory_high = memory_high
+        self.memory_low = memory_low
+        self.seq_high = seq_high
+        self.seq_low = seq_low
+        self.min_steps = min_steps
+        self.offloading = False
+        self.last_switch_step: int | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> HysteresisPolicy:
+        return cls(settings.memory_high, settings.memory_low, settings.seq_high, settings.seq_low, settings.min_steps)
+
+    def decide(self, observation: Observation) -> int:
+        memory = observation.memory_fraction
+        if not self.offloading:
+            if (memory is not None and memory >= self.memory_high) or observation.seq_len >= self.seq_high:
+                self._switch(True, observation.step)
+        else:
+            calm = (memory is None or memory < self.memory_low) and observation.seq_len < self.seq_low
+            dwelt = self.last_switch_step is None or observation.step - self.last_switch_step >= self.min_steps
+            if calm and dwelt:
+                self._switch(False, observation.step)
+        return observation.layers if self.offloading else 0
+
+    def _switch(self, offloading: bool, step: int) -> None:
+        self.offloading = offloading
+        self.last_switch_step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"offloading": self.offloading, "last_switch_step": self.last_switch_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.offloading = bool(state["offloading"])
+        self.last_switch_step = state["last_switch_step"]

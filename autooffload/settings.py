@@ -1,0 +1,147 @@
+"""Settings: one validated object, built from defaults, then ``AUTOOFFLOAD_*`` variables, then arguments.
+
+Everything that can be wrong with a setting is found here, at construction, before any training starts:
+a typo in a variable name, a value that is not a number, a threshold out of range, a low threshold above
+its high one. The error names the variable, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ENV_PREFIX = "AUTOOFFLOAD_"
+MODES = ("auto", "on", "off")
+ENGINES = ("sync",)
+
+
+class SettingsError(ValueError):
+    """A setting (argument or environment variable) has a value autooffload cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the controller is allowed to do and when.
+
+    ``mode``: ``"auto"`` lets the policy decide per micro-batch, ``"on"`` always offloads, ``"off"`` never does.
+    Offload turns on when the last step's memory fraction reaches ``memory_high`` or a micro-batch's sequence
+    length reaches ``seq_high``; it turns off only when memory is below ``memory_low``, the sequence length is
+    below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. Under torch.compile,
+    at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
+    """
+
+    mode: str = "auto"
+    memory_high: float = 0.90
+    memory_low: float = 0.80
+    seq_high: int = 32768
+    seq_low: int = 16384
+    min_steps: int = 2
+    compile_max_switches: int = 4
+    engine: str = "sync"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(f.name, getattr(self, f.name), _env_name(f.name))
+        self._check_order("memory_low", "memory_high")
+        self._check_order("seq_low", "seq_high")
+
+    def _check_order(self, low: str, high: str) -> None:
+        if getattr(self, low) > getattr(self, high):
+            raise SettingsError(
+                f"{_env_name(low)}={getattr(self, low)} is above {_env_name(high)}={getattr(self, high)}: "
+                f"the low threshold must be at or below the high one (hysteresis)"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, overridden by ``AUTOOFFLOAD_*`` variables in ``env``, overridden by ``overrides``.
+
+        ``None`` in ``overrides`` means "not given". An ``AUTOOFFLOAD_`` variable that names no setting is an
+        error, so that a typo cannot silently leave a default in force.
+        """
+        env = os.environ if env is None else env
+        names = {_env_name(f.name): f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            if key not in names:
+                raise SettingsError(
+                    f"unknown environment variable {key}={raw!r}; autooffload reads: {', '.join(sorted(names))}"
+                )
+            values[names[key].name] = _parse(key, raw, names[key].type)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise SettingsError(
+                f"unknown setting(s) {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}"
+            )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def offload_mode(value: Any) -> str | None:
+    """Map the ``offload`` value of the checkpointing kwargs to a mode: True -> on, False -> off, "auto" -> auto.
+
+    ``None`` (key absent) maps to ``None``. Strings are accepted case-insensitively, including the spellings
+    that transformers' own truthiness test would silently treat as on (``"false"``, ``"0"``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text in ("true", "1", "yes", "on"):
+            return "on"
+        if text in ("false", "0", "no", "off"):
+            return "off"
+    raise SettingsError(f"checkpointing kwarg offload={value!r} is not one of True, False, 'auto'")
+
+
+def _env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _parse(key: str, raw: str, kind: Any) -> Any:
+    text = raw.strip()
+    if kind in (int, "int"):
+        try:
+            return int(text)
+        except ValueError:
+            raise SettingsError(f"{key}={raw!r} is not an integer") from None
+    if kind in (float, "float"):
+        try:
+            return float(text)
+        except ValueError:
+            raise SettingsError(f"{key}={raw!r} is not a number") from None
+    return text.lower()
+
+
+_ALLOWED = {
+    "mode": ("one of " + ", ".join(MODES), lambda v: v in MODES),
+    "engine": ("one of " + ", ".join(ENGINES), lambda v: v in ENGINES),
+    "memory_high": ("a fraction in (0, 1]", lambda v: 0.0 < v <= 1.0),
+    "memory_low": ("a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+    "seq_high": ("an integer >= 1", lambda v: v >= 1),
+    "seq_low": ("an integer >= 0", lambda v: v >= 0),
+    "min_steps": ("an integer >= 0", lambda v: v >= 0),
+    "compile_max_switches": ("an integer >= 0", lambda v: v >= 0),
+}
+
+
+def _check(name: str, value: Any, env_name: str) -> None:
+    allowed, ok = _ALLOWED[name]
+    expected = {"mode": str, "engine": str}.get(name, float if name.startswith("memory") else int)
+    well_typed = isinstance(value, expected) and not isinstance(value, bool)
+    if expected is float:
+        well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not well_typed or not ok(value):
+        raise SettingsError(f"{env_name}={value!r} is not allowed: expected {allowed}")

@@ -1,0 +1,151 @@
+"""Apply, part 2: find the checkpointed modules and swap their checkpoint function.
+
+Two kinds of module run torch's checkpoint on their own forward:
+
+- transformers' checkpointed modules: ``gradient_checkpointing`` is true and ``_gradient_checkpointing_func``
+  holds the function (a ``functools.partial`` over ``torch.utils.checkpoint.checkpoint``, or over the
+  native-offload wrapper in transformers >= 5.17). Every call reads the attribute, so a swap takes effect
+  at the next layer forward.
+- torch's ``CheckpointWrapper`` (accelerate's FSDP ``activation_checkpointing``): ``checkpoint_fn``.
+
+Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
+kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
+under :class:`~autooffload.offload.HostOffloadHooks`. They are closures, not partials, on purpose:
+torch.compile guards a called function by its code object, so swapping between two closures is seen
+(one recompile per variant, then cached), while a swap between two ``functools.partial`` objects is not
+guarded at all and would silently keep running the first one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .offload import HostOffloadHooks, OffloadStats
+
+NOT_TORCH_KEYS = ("offload", "every_n_layers")
+DEFAULT_CHECKPOINT_KWARGS = {"use_reentrant": False}
+
+
+@dataclasses.dataclass
+class CheckpointTarget:
+    """One module whose checkpoint function autooffload controls."""
+
+    name: str
+    module: torch.nn.Module
+    attribute: str
+    original: Callable[..., Any]
+    kwargs: dict[str, Any]
+    is_layer: bool = True
+
+
+def _checkpoint_wrapper_type() -> type | None:
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # torch built without distributed
+        return None
+    return CheckpointWrapper
+
+
+def _torch_checkpoint_kwargs(function: Callable[..., Any]) -> dict[str, Any] | None:
+    """The checkpoint kwargs behind ``function``, or None if it is not a checkpoint autooffload knows."""
+    if getattr(function, "_autooffload_kwargs", None) is not None:
+        return dict(function._autooffload_kwargs)
+    if not isinstance(function, functools.partial):
+        return None
+    inner = function.func
+    known = inner is checkpoint or (
+        getattr(inner, "__module__", "").startswith("transformers") and "checkpoint" in inner.__name__
+    )
+    if not known:
+        return None
+    return {k: v for k, v in function.keywords.items() if k not in NOT_TORCH_KEYS}
+
+
+def find_targets(model: torch.nn.Module) -> tuple[list[CheckpointTarget], list[str]]:
+    """Checkpointed modules of ``model`` in module order, and the names of those it cannot control."""
+    wrapper_type = _checkpoint_wrapper_type()
+    found: list[CheckpointTarget] = []
+    unknown: list[str] = []
+    for name, module in model.named_modules():
+        if wrapper_type is not None and isinstance(module, wrapper_type):
+            attribute = "checkpoint_fn"
+        elif getattr(module, "gradient_checkpointing", False) is True and hasattr(
+            module, "_gradient_checkpointing_func"
+        ):
+            attribute = "_gradient_checkpointing_func"
+        else:
+            continue
+        function = getattr(module, attribute)
+        original = getattr(function, "_autooffload_original", function)
+        kwargs = _torch_checkpoint_kwargs(function)
+        if kwargs is None:
+            unknown.append(name or type(module).__name__)
+            continue
+        found.append(CheckpointTarget(name, module, attribute, original, kwargs))
+    for target in found:
+        prefix = target.name + "." if target.name else ""
+        target.is_layer = not any(other.name.startswith(prefix) for other in found if other is not target)
+    return found, unknown
+
+
+def _plain_function(kwargs: dict[str, Any]) -> Callable[..., Any]:
+    def checkpoint_plain(function, *args, **call_kwargs):
+        return checkpoint(function, *args, **kwargs, **call_kwargs)
+
+    return checkpoint_plain
+
+
+def _offload_function(kwargs: dict[str, Any], stats: OffloadStats) -> Callable[..., Any]:
+    def checkpoint_offload(function, *args, **call_kwargs):
+        with HostOffloadHooks(stats):
+            return checkpoint(function, *args, **kwargs, **call_kwargs)
+
+    return checkpoint_offload
+
+
+class CheckpointSwitch:
+    """Holds, for every target, the plain and the offloading checkpoint function, and installs one of them.
+
+    ``apply(k)`` makes the first ``k`` layers (in module order: their inputs are saved earliest and live
+    longest) offload and the others not; container targets (a model that holds checkpointed layers)
+    offload whenever any layer does.
+    """
+
+    def __init__(self, targets: list[CheckpointTarget], stats: OffloadStats) -> None:
+        self.targets = targets
+        self.layers = [t for t in targets if t.is_layer]
+        self._functions = {}
+        for target in targets:
+            plain, offload = _plain_function(target.kwargs), _offload_function(target.kwargs, stats)
+            for function in (plain, offload):
+                function._autooffload_original = target.original
+                function._autooffload_kwargs = target.kwargs
+            self._functions[id(target)] = (plain, offload)
+        self.offloaded = -1
+        self.apply(0)
+
+    def apply(self, k: int) -> None:
+        k = max(0, min(k, len(self.layers)))
+        if k == self.offloaded:
+            return
+        for index, target in enumerate(self.layers):
+            self._install(target, offload=index < k)
+        for target in self.targets:
+            if not target.is_layer:
+                self._install(target, offload=k > 0)
+        self.offloaded = k
+
+    def _install(self, target: CheckpointTarget, offload: bool) -> None:
+        setattr(target.module, target.attribute, self._functions[id(target)][int(offload)])
+
+    def restore(self) -> None:
+        """Put back the functions found at construction."""
+        for target in self.targets:
+            setattr(target.module, target.attribute, target.original)
+        self.offloaded = -1

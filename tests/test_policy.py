@@ -1,0 +1,43 @@
+"""The hysteresis policy with plain numbers: no torch, no clock."""
+
+from autooffload.policy import HysteresisPolicy, Observation
+
+
+def run(policy, readings, seqs=None, layers=8):
+    seqs = seqs or [128] * len(readings)
+    return [
+        policy.decide(Observation(step, seq, seq, memory, layers))
+        for step, (memory, seq) in enumerate(zip(readings, seqs))
+    ]
+
+
+def test_memory_curve_switches_on_at_high_and_off_below_low():
+    policy = HysteresisPolicy(memory_high=0.9, memory_low=0.8, seq_high=10_000, seq_low=5_000, min_steps=0)
+    curve = [0.5, 0.85, 0.90, 0.95, 0.85, 0.81, 0.79, 0.85, 0.89]
+    assert run(policy, curve) == [0, 0, 8, 8, 8, 8, 0, 0, 0]
+
+
+def test_dwell_delays_switching_off_but_never_switching_on():
+    policy = HysteresisPolicy(memory_high=0.9, memory_low=0.8, seq_high=10_000, seq_low=5_000, min_steps=3)
+    curve = [0.95, 0.5, 0.5, 0.5, 0.5, 0.95]
+    assert run(policy, curve) == [8, 8, 8, 0, 0, 8]
+
+
+def test_sequence_trigger_with_hysteresis():
+    policy = HysteresisPolicy(memory_high=0.9, memory_low=0.8, seq_high=1000, seq_low=500, min_steps=0)
+    seqs = [100, 1000, 700, 499, 999, 1200]
+    assert run(policy, [None] * 6, seqs) == [0, 8, 8, 0, 0, 8]
+
+
+def test_off_needs_both_signals_calm():
+    policy = HysteresisPolicy(memory_high=0.9, memory_low=0.8, seq_high=1000, seq_low=500, min_steps=0)
+    assert run(policy, [0.95, 0.5, 0.5], [100, 800, 100]) == [8, 8, 0]
+
+
+def test_state_round_trip():
+    policy = HysteresisPolicy(min_steps=5)
+    run(policy, [0.95])
+    clone = HysteresisPolicy(min_steps=5)
+    clone.load_state_dict(policy.state_dict())
+    assert clone.decide(Observation(3, 1, 1, 0.1, 8)) == 8
+    assert clone.decide(Observation(5, 1, 1, 0.1, 8)) == 0

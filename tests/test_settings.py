@@ -1,0 +1,83 @@
+import pytest
+
+from autooffload import AutoOffloadCallback, Settings, SettingsError
+from autooffload.settings import offload_mode
+
+
+def test_defaults():
+    s = Settings.from_env({})
+    assert (s.mode, s.memory_high, s.memory_low, s.min_steps) == ("auto", 0.90, 0.80, 2)
+    assert s.seq_low <= s.seq_high
+
+
+def test_env_overrides_defaults_and_arguments_override_env():
+    env = {"AUTOOFFLOAD_MEMORY_HIGH": "0.85", "AUTOOFFLOAD_SEQ_HIGH": "16384", "AUTOOFFLOAD_MODE": "ON"}
+    s = Settings.from_env(env)
+    assert (s.memory_high, s.seq_high, s.mode) == (0.85, 16384, "on")
+    s = Settings.from_env(env, memory_high=0.95, mode=None)
+    assert (s.memory_high, s.mode) == (0.95, "on")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"AUTOOFFLOAD_MEMORY_HIGH": "high"}, r"AUTOOFFLOAD_MEMORY_HIGH='high' is not a number"),
+        (
+            {"AUTOOFFLOAD_MEMORY_HIGH": "1.5"},
+            r"AUTOOFFLOAD_MEMORY_HIGH=1.5 is not allowed: expected a fraction in \(0, 1\]",
+        ),
+        (
+            {"AUTOOFFLOAD_MEMORY_LOW": "-0.1"},
+            r"AUTOOFFLOAD_MEMORY_LOW=-0.1 is not allowed: expected a fraction in \[0, 1\]",
+        ),
+        ({"AUTOOFFLOAD_MEMORY_HIGH": "nan"}, r"AUTOOFFLOAD_MEMORY_HIGH=nan is not allowed"),
+        ({"AUTOOFFLOAD_SEQ_HIGH": "4k"}, r"AUTOOFFLOAD_SEQ_HIGH='4k' is not an integer"),
+        ({"AUTOOFFLOAD_SEQ_HIGH": "0"}, r"AUTOOFFLOAD_SEQ_HIGH=0 is not allowed: expected an integer >= 1"),
+        ({"AUTOOFFLOAD_MIN_STEPS": "-1"}, r"AUTOOFFLOAD_MIN_STEPS=-1 is not allowed: expected an integer >= 0"),
+        ({"AUTOOFFLOAD_COMPILE_MAX_SWITCHES": "x"}, r"AUTOOFFLOAD_COMPILE_MAX_SWITCHES='x' is not an integer"),
+        (
+            {"AUTOOFFLOAD_MODE": "sometimes"},
+            r"AUTOOFFLOAD_MODE='sometimes' is not allowed: expected one of auto, on, off",
+        ),
+        ({"AUTOOFFLOAD_ENGINE": "magic"}, r"AUTOOFFLOAD_ENGINE='magic' is not allowed"),
+        (
+            {"AUTOOFFLOAD_MEMORY_HI": "0.9"},
+            r"unknown environment variable AUTOOFFLOAD_MEMORY_HI='0.9'; autooffload reads: ",
+        ),
+        (
+            {"AUTOOFFLOAD_MEMORY_LOW": "0.95"},
+            r"AUTOOFFLOAD_MEMORY_LOW=0.95 is above AUTOOFFLOAD_MEMORY_HIGH=0.9: the low threshold must be at or below",
+        ),
+        ({"AUTOOFFLOAD_SEQ_LOW": "65536"}, r"AUTOOFFLOAD_SEQ_LOW=65536 is above AUTOOFFLOAD_SEQ_HIGH=32768"),
+    ],
+)
+def test_bad_environment_value_fails_at_construction(env, message):
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env)
+
+
+def test_bad_environment_value_fails_when_the_callback_is_built(monkeypatch):
+    monkeypatch.setenv("AUTOOFFLOAD_MIN_STEPS", "two")
+    with pytest.raises(SettingsError, match="AUTOOFFLOAD_MIN_STEPS='two' is not an integer"):
+        AutoOffloadCallback()
+
+
+def test_bad_argument_names_the_setting():
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_MEMORY_HIGH=2 is not allowed"):
+        AutoOffloadCallback(memory_high=2)
+    with pytest.raises(SettingsError, match="unknown setting"):
+        Settings.from_env({}, memory_hgih=0.5)
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [(True, "on"), (False, "off"), ("auto", "auto"), ("AUTO", "auto"), ("false", "off"), ("true", "on"), (None, None)],
+)
+def test_offload_kwarg_values(value, mode):
+    assert offload_mode(value) == mode
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, 0.5])
+def test_offload_kwarg_rejects_other_values(value):
+    with pytest.raises(SettingsError, match="offload="):
+        offload_mode(value)
