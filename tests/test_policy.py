@@ -7,7 +7,7 @@ def run(policy, readings, seqs=None, layers=8):
     seqs = seqs or [128] * len(readings)
     return [
         policy.decide(Observation(step, seq, seq, memory, layers))
-        for step, (memory, seq) in enumerate(zip(readings, seqs))
+        for step, (memory, seq) in enumerate(zip(readings, seqs, strict=True))
     ]
 
 
