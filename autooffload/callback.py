@@ -102,6 +102,9 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._resolve_settings(args)
+        saved = self._saved_state(state)
+        if saved is not None:
+            self.controller.load_state_dict(saved)
         trainer = _running_trainer()
         compiled = bool(getattr(args, "torch_compile", False)) or None
         if trainer is not None and compiled is None:
@@ -147,6 +150,15 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self._log_wrapped = True
 
     # ---- checkpoints ---------------------------------------------------------------------------------
+
+    def _saved_state(self, state: Any) -> dict[str, Any] | None:
+        # Trainer restores callback objects only with ``restore_callback_states_from_checkpoint=True``, but it
+        # always loads ``stateful_callbacks`` from the checkpoint into ``state``: read ours from there. On a
+        # fresh run the entry is this callback's own current state, so loading it changes nothing.
+        entry = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        if isinstance(entry, list):
+            entry = entry[0] if entry else None
+        return (entry or {}).get("attributes", {}).get("controller_state")
 
     def state(self) -> dict[str, Any]:
         return {"args": dict(self.explicit), "attributes": {"controller_state": self.controller.state_dict()}}

@@ -103,7 +103,7 @@ class OffloadController:
         self._micro_batches = 0
         self._offloaded_this_step = False
         self._policy_failed = False
-        self._restored_level: int | None = None
+        self.level: int | None = None
         self._warned: set[str] = set()
 
     # ---- apply ---------------------------------------------------------------------------------------
@@ -127,9 +127,8 @@ class OffloadController:
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
             self._latch()
-        level = self._restored_level if self._restored_level is not None else self._fixed_level()
-        self.switch.apply(level if level is not None else 0)
-        self.active = self._active_fraction()
+        fixed = self._fixed_level()
+        self._apply(fixed if fixed is not None else self.level or 0)
         logger.info(
             "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s",
             len(self.switch.layers),
@@ -201,8 +200,7 @@ class OffloadController:
             )
             if self.compiled:
                 self.budget.switched()
-        self.switch.apply(level)
-        self.active = self._active_fraction()
+        self._apply(level)
         self._offloaded_this_step |= level > 0
         self._micro_batches += 1
         return level
@@ -276,9 +274,11 @@ class OffloadController:
             return None
         return None if reading is None else reading.fraction
 
-    def _active_fraction(self) -> float:
+    def _apply(self, level: int) -> None:
         assert self.switch is not None
-        return self.switch.offloaded / len(self.switch.layers) if self.switch.layers else 0.0
+        self.switch.apply(level)
+        self.level = self.switch.offloaded
+        self.active = self.level / len(self.switch.layers) if self.switch.layers else 0.0
 
     # ---- report and resume ---------------------------------------------------------------------------
 
@@ -314,7 +314,7 @@ class OffloadController:
             "switches": self.switches,
             "steps_offloading": self.steps_offloading,
             "total_bytes": self.stats.total_bytes,
-            "level": self.switch.offloaded if self.switch is not None else self._restored_level,
+            "level": self.level,
             "latched": self.latched,
             "budget_spent": self.budget.spent,
             "policy": self.policy.state_dict() if hasattr(self.policy, "state_dict") else None,
@@ -327,16 +327,13 @@ class OffloadController:
         self.stats.total_bytes = int(state.get("total_bytes", 0))
         self.latched = bool(state["latched"])
         self.budget.spent = int(state["budget_spent"])
-        self._restored_level = state.get("level")
-        if self._restored_level is not None and self._restored_level >= 0:
-            self._micro_batches = 1
-        else:
-            self._restored_level = None
+        self.level = state.get("level")
+        if self.level is not None:
+            self._micro_batches = 1  # the next change of level is a switch, as it would have been
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
             self.policy.load_state_dict(state["policy"])
-        if self.switch is not None and self._restored_level is not None:
-            self.switch.apply(self._restored_level)
-            self.active = self._active_fraction()
+        if self.switch is not None and self.level is not None:
+            self._apply(self.level)
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -29,7 +29,6 @@ from torch.utils.checkpoint import checkpoint
 from .offload import HostOffloadHooks, OffloadStats
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
-DEFAULT_CHECKPOINT_KWARGS = {"use_reentrant": False}
 
 
 @dataclasses.dataclass
@@ -64,7 +63,20 @@ def _torch_checkpoint_kwargs(function: Callable[..., Any]) -> dict[str, Any] | N
     )
     if not known:
         return None
-    return {k: v for k, v in function.keywords.items() if k not in NOT_TORCH_KEYS}
+    kwargs = {k: v for k, v in function.keywords.items() if k not in NOT_TORCH_KEYS}
+    # Stripping ``offload`` can leave no ``use_reentrant``; use what this transformers release would have
+    # chosen had the user not written ``offload`` (False from 5.0, True before), not torch's warning default.
+    kwargs.setdefault("use_reentrant", _transformers_major() < 5)
+    return kwargs
+
+
+def _transformers_major() -> int:
+    try:
+        from importlib.metadata import version
+
+        return int(version("transformers").split(".")[0])
+    except Exception:  # not installed: CheckpointWrapper-only use
+        return 5
 
 
 def find_targets(model: torch.nn.Module) -> tuple[list[CheckpointTarget], list[str]]:

@@ -1,0 +1,249 @@
+"""The controller through the real Trainer on a tiny random Qwen3: bytes, switching steps, equal results."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import LAYERS, NEW_NAMES, dataset, expected_bytes, model, train, training_args
+from transformers import TrainerCallback
+
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, ScriptedProbe
+
+
+class StepRecorder(TrainerCallback):
+    """Records, after every optimizer step, what the controller did in it."""
+
+    def __init__(self, callback: AutoOffloadCallback) -> None:
+        self.controller = callback.controller
+        self.rows: list[tuple[int, float, int]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        c = self.controller
+        self.rows.append((c.last_seq_len, c.active, c.last_step_bytes))
+
+
+def run_with(tmp_path, lengths, callback, **kwargs):
+    recorder = StepRecorder(callback)
+    trainer, net = train(tmp_path, lengths, callbacks=[callback, recorder], **kwargs)
+    return trainer, net, recorder.rows
+
+
+def test_bytes_offloaded_equal_the_arithmetic(tmp_path):
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    _, _, rows = run_with(tmp_path, [64, 128, 96], callback)
+    assert [moved for *_, moved in rows] == [expected_bytes(64), expected_bytes(128), expected_bytes(96)]
+    assert callback.controller.stats.total_bytes == expected_bytes(64 + 128 + 96)
+
+
+def test_bytes_with_batches_and_every_n_layers(tmp_path):
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    recorder = StepRecorder(callback)
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    args = training_args(tmp_path, 2, checkpointing=False, per_device_train_batch_size=2)
+    from conftest import InOrderTrainer
+
+    InOrderTrainer(model=net, args=args, train_dataset=dataset([80] * 4), callbacks=[callback, recorder]).train()
+    assert [moved for *_, moved in recorder.rows] == [expected_bytes(80, batch=2)] * 2
+
+
+def test_sequence_trigger_switches_on_the_right_micro_batches(tmp_path):
+    lengths = [64, 256, 64, 64, 64, 200, 64, 256, 150, 64]
+    callback = AutoOffloadCallback(seq_high=200, seq_low=128, min_steps=2, probe=None)
+    _, _, rows = run_with(tmp_path, lengths, callback)
+    # on at 256 (step 1); off at step 3 once two steps have passed; on at 200 (step 5); the 256 at step 7
+    # keeps it on; 150 is between the thresholds so it holds; off at step 9 (dwell since step 5 passed).
+    expected_on = [False, True, True, False, False, True, True, True, True, False]
+    assert [active == 1.0 for _, active, _ in rows] == expected_on
+    assert [moved for *_, moved in rows] == [
+        expected_bytes(s) if on else 0 for s, on in zip(lengths, expected_on, strict=True)
+    ]
+    assert callback.controller.switches == 4
+
+
+def test_decision_is_per_micro_batch_with_gradient_accumulation(tmp_path):
+    callback = AutoOffloadCallback(seq_high=200, seq_low=128, min_steps=1, probe=None)
+    decisions = []
+    original = callback.controller.before_forward
+
+    def spy(seq_len, tokens):
+        level = original(seq_len, tokens)
+        decisions.append((seq_len, level))
+        return level
+
+    callback.controller.before_forward = spy
+    run_with(tmp_path, [64, 256, 64, 64, 64, 256], callback, steps=3, gradient_accumulation_steps=2)
+    # A long micro-batch offloads in its own forward, even as the second of its step; the next step is past
+    # the one-step dwell and runs plain again.
+    assert decisions == [(64, 0), (256, LAYERS), (64, 0), (64, 0), (64, 0), (256, LAYERS)]
+
+
+def test_memory_curve_switches_on_and_off_on_the_right_steps(tmp_path):
+    curve = [0.50, 0.70, 0.91, 0.95, 0.85, 0.82, 0.79, 0.60, 0.92, 0.50]
+    callback = AutoOffloadCallback(min_steps=2, probe=ScriptedProbe(curve))
+    _, _, rows = run_with(tmp_path, [64] * 11, callback)
+    # A reading at the end of step n decides step n + 1: on after 0.91 (step 2) -> steps 3..6; off after 0.79
+    # (step 6, dwell since step 3 passed) -> step 7 plain; on again after 0.92 (step 8) -> step 9, and the
+    # 0.50 after it cannot switch it off at step 10: the dwell (2 steps) has not passed.
+    on = [active == 1.0 for _, active, _ in rows]
+    assert on == [False, False, False, True, True, True, True, False, False, True, True]
+    assert callback.controller.memory_fraction == pytest.approx(0.50)
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_losses_and_parameters_bit_identical(tmp_path, mode):
+    lengths = [64, 256, 64, 128]
+    reference_trainer, reference = train(tmp_path / "plain", lengths, offload=None)
+    callback = AutoOffloadCallback(mode=mode, seq_high=200, seq_low=100, min_steps=0, probe=None)
+    trainer, net = train(tmp_path / mode, lengths, callbacks=[callback])
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == [h["loss"] for h in reference_trainer.state.log_history if "loss" in h]
+    for (name, a), (_, b) in zip(net.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert (callback.controller.stats.total_bytes > 0) == (mode != "off")
+
+
+def test_log_keys_reach_log_history_and_reporting_callbacks(tmp_path):
+    class Reporter(TrainerCallback):  # stands where TensorBoard and W&B stand: before user callbacks
+        def __init__(self):
+            self.seen = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs))
+
+    reporter = Reporter()
+    callback = AutoOffloadCallback(mode="on", probe=ScriptedProbe([0.5, 0.6]))
+    trainer, _ = train(tmp_path, [64, 128], callbacks=[reporter, callback])
+    keys = {"autooffload/active", "autooffload/offloaded_bytes", "autooffload/memory_fraction", "autooffload/switches"}
+    training_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(training_logs) == 2 and all(keys <= h.keys() for h in training_logs)
+    assert [h["autooffload/offloaded_bytes"] for h in training_logs] == [expected_bytes(64), expected_bytes(128)]
+    assert [h["autooffload/memory_fraction"] for h in training_logs] == pytest.approx([0.5, 0.6])
+    assert [r["autooffload/active"] for r in reporter.seen if "loss" in r] == [1.0, 1.0]
+
+
+def test_no_memory_reading_gives_one_warning_and_a_working_run(tmp_path):
+    callback = AutoOffloadCallback(seq_high=200, seq_low=100)  # probe "auto": NVML, absent on this machine
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, rows = run_with(tmp_path, [64, 256, 64], callback)
+    ours = [w for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and "no device memory reading" in str(ours[0].message)
+    assert [active for _, active, _ in rows] == [0.0, 1.0, 1.0]
+
+
+def test_failing_probe_mid_run_warns_once_and_training_goes_on(tmp_path):
+    class Flaky:
+        def __init__(self):
+            self.calls = 0
+
+        def read(self):
+            self.calls += 1
+            if self.calls >= 2:
+                raise RuntimeError("NVML: GPU is lost")
+            return None
+
+    callback = AutoOffloadCallback(probe=Flaky())
+    with pytest.warns(AutoOffloadWarning, match="memory reading failed"):
+        trainer, _ = train(tmp_path, [64] * 4, callbacks=[callback])
+    assert trainer.state.global_step == 4 and callback.controller.probe is None
+
+
+def test_nothing_checkpointed_warns_with_the_way_to_enable_it(tmp_path):
+    callback = AutoOffloadCallback(probe=None)
+    net = model()
+    args = training_args(tmp_path, 2, checkpointing=False)
+    from conftest import InOrderTrainer
+
+    with pytest.warns(AutoOffloadWarning, match="no checkpointed layers found.*checkpointing=True"):
+        InOrderTrainer(model=net, args=args, train_dataset=dataset([64, 64]), callbacks=[callback]).train()
+
+
+def test_a_raising_policy_falls_back_to_plain_checkpointing(tmp_path):
+    class Broken:
+        def decide(self, observation):
+            raise ZeroDivisionError("oops")
+
+    callback = AutoOffloadCallback(policy=Broken(), probe=None)
+    with pytest.warns(AutoOffloadWarning, match="policy Broken raised"):
+        _, _, rows = run_with(tmp_path, [64, 256], callback)
+    assert [active for _, active, _ in rows] == [0.0, 0.0]
+
+
+def test_summary_is_logged_at_the_end(tmp_path):
+    import logging
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    collect = Collect()
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    logger = logging.getLogger("transformers.autooffload")
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
+    try:
+        train(tmp_path, [64, 64], callbacks=[callback])
+    finally:
+        logger.removeHandler(collect)
+        logger.setLevel(logging.NOTSET)
+    summary = [m for m in collect.messages if "step(s)" in m]
+    assert summary == ["autooffload: mode=on, 2 step(s), offload in 2 (100%), 0 switch(es), 0.1 MiB moved to host"]
+
+
+@pytest.mark.skipif(not NEW_NAMES, reason="activation_checkpointing_* names arrived in transformers 5.23")
+def test_both_kwarg_names_carry_auto(tmp_path):
+    from conftest import InOrderTrainer
+    from transformers import TrainingArguments
+
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        callback = AutoOffloadCallback(seq_high=200, seq_low=100, probe=None)
+        recorder = StepRecorder(callback)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=1,
+            max_steps=2,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            **{name: True, f"{name}_kwargs": {"offload": "auto"}},
+        )
+        InOrderTrainer(
+            model=model(), args=args, train_dataset=dataset([64, 256]), callbacks=[callback, recorder]
+        ).train()
+        assert callback.controller.settings.mode == "auto"
+        assert [moved for *_, moved in recorder.rows] == [0, expected_bytes(256)], name
+
+
+@pytest.mark.parametrize(
+    ("offload", "mode", "moved"), [(True, "on", True), (False, "off", False), ("auto", "auto", False)]
+)
+def test_offload_kwarg_sets_the_mode(tmp_path, offload, mode, moved):
+    callback = AutoOffloadCallback(probe=None, seq_high=10_000, seq_low=100)
+    train(tmp_path, [64, 64], callbacks=[callback], offload=offload)
+    assert callback.controller.settings.mode == mode
+    assert (callback.controller.stats.total_bytes > 0) == moved
+
+
+def test_environment_mode_overrides_the_kwarg_and_arguments_override_both(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOOFFLOAD_MODE", "off")
+    callback = AutoOffloadCallback(probe=None)
+    train(tmp_path / "env", [64], callbacks=[callback], offload=True)
+    assert callback.controller.settings.mode == "off"
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    train(tmp_path / "arg", [64], callbacks=[callback], offload=False)
+    assert callback.controller.settings.mode == "on"
+
+
+def test_without_the_callback_auto_is_not_autooffloads_business(tmp_path):
+    # What the callback repairs: on this release the bare kwarg either fails (no native offload: the key
+    # reaches torch's checkpoint) or offloads always with pinned memory (CPU-only torch: fails too).
+    with pytest.raises((ValueError, RuntimeError), match=r"offload|pin_memory|pinned"):
+        train(tmp_path, [64], offload="auto")
