@@ -247,3 +247,13 @@ def test_without_the_callback_auto_is_not_autooffloads_business(tmp_path):
     # reaches torch's checkpoint) or offloads always with pinned memory (CPU-only torch: fails too).
     with pytest.raises((ValueError, RuntimeError), match=r"offload|pin_memory|pinned"):
         train(tmp_path, [64], offload="auto")
+
+
+def test_bad_offload_kwarg_fails_before_training(tmp_path):
+    from conftest import InOrderTrainer
+
+    from autooffload import SettingsError
+
+    args = training_args(tmp_path, 1, offload="sometimes")
+    with pytest.raises(SettingsError, match="offload='sometimes' is not one of True, False, 'auto'"):
+        InOrderTrainer(model=model(), args=args, train_dataset=dataset([64]), callbacks=[AutoOffloadCallback()])
