@@ -8,8 +8,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("demo", "estimate")
+    usage = f"usage: autooffload {{{','.join(commands)}}} [options]   (autooffload COMMAND --help for its options)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0] not in commands:
-        print(f"usage: autooffload {{{','.join(commands)}}} [options]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     if command == "demo":

@@ -4,7 +4,8 @@
 
 - Pinned memory is asked for only where a pinned allocator exists (an accelerator is present and the
   tensor lives on it). On a CPU-only build ``save_on_cpu(pin_memory=True)`` fails at the first forward;
-  here the same path runs with pageable memory, so the hooks fire and are counted on any machine.
+  here the hooks fire and are counted on any machine, and a tensor already in host memory is kept as it
+  is (there is nothing to move).
 - Every byte packed is counted, per optimizer step and in total, so the controller can report it and tests
   can hold it against the arithmetic (layers x batch x seq x hidden x dtype-bytes).
 - The copies stay on the compute stream (``engine="sync"``): correct by construction, and the cost that
@@ -51,10 +52,14 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         pin = _pinned_allocator_available()
 
         def pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-            pin_this = pin and tensor.device.type != "cpu" and not tensor.is_sparse
-            host = torch.empty_like(tensor, device="cpu", pin_memory=pin_this)
-            host.copy_(tensor)
             stats.add(tensor.numel() * tensor.element_size())
+            if tensor.device.type == "cpu":
+                return tensor.device, tensor
+            pin_this = pin and not tensor.is_sparse
+            host = torch.empty_like(tensor, device="cpu", pin_memory=pin_this)
+            # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the
+            # source's block only for work queued after it on that same stream, so freeing it is safe.
+            host.copy_(tensor, non_blocking=pin_this)
             return tensor.device, host
 
         def unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
