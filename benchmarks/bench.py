@@ -445,15 +445,18 @@ def environment(plan: Plan, argv: list[str]) -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, with "-dirty" when it has uncommitted changes; None outside a git checkout."""
+    """The last commit that changed the measured code (the package and this script), with "-dirty" when it
+    has uncommitted changes; None outside a git checkout. Not HEAD: committing results must not orphan it."""
     root = Path(__file__).resolve().parents[1]
+    code = ["--", "autooffload", "benchmarks/bench.py"]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "autooffload", "benchmarks/bench.py"],
-                               cwd=root, capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
+        last = subprocess.run(["git", "log", "-1", "--format=%H", *code], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", *code], cwd=root, capture_output=True, text=True)
+    except OSError:
         return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    if last.returncode != 0 or not last.stdout.strip():
+        return None
+    return last.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def cpu_model() -> str:
