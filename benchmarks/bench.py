@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         "made steps an order of magnitude slower and noisier; on the GPU: torch's default)",
     )
     parser.add_argument(
-        "--budget-s", type=float, default=420.0, help="skip blocks that would end past this many seconds (420)"
+        "--budget-s", type=float, default=400.0, help="skip blocks that would end past this many seconds (400)"
     )
     options = parser.parse_args(argv)
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
