@@ -1,0 +1,365 @@
+"""``autooffload estimate``: what offload would free and cost for a model and a sequence length, before a job runs.
+
+Checkpointing keeps one input per checkpointed layer on the device until the backward reaches that layer:
+layers x batch x seq x hidden x dtype-bytes. Offload moves exactly those bytes to pinned host memory (device to
+host in the forward, back in the backward), so the arithmetic answers the two questions a user has: how much
+device memory it frees and how much copying it adds. Everything else in a step (weights, gradients, optimizer
+state, the recomputed layer) is the same with and without offload and is not estimated here.
+
+No network and no torch work: the model is a local ``config.json`` (or ``--layers/--hidden``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .settings import Settings, SettingsError
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+# An assumption, not a measurement: pinned host<->device copies reach about this over PCIe Gen4 x16, and a
+# PCIe Gen5 x16 link usually does better, so it errs on the slow side. Pass the figure measured on your machine.
+DEFAULT_HOST_BANDWIDTH_GBPS = 25.0
+# Above this share of device memory the saved inputs alone make the memory trigger (memory_high) plausible.
+LARGE_SHARE = 0.5
+
+VERDICTS = ("not-needed", "auto", "required", "host-too-small")
+
+
+class EstimateError(ValueError):
+    """Input the estimator cannot use; the command line turns it into a one-line error and exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The arithmetic of one model x batch x sequence, and what it means for offload. Sizes in bytes."""
+
+    layers: int
+    hidden: int
+    seq: int
+    batch: int
+    dtype: str
+    dtype_bytes: int
+    saved_bytes: int  # checkpointing keeps these on the device for the layer inputs
+    freed_bytes: int  # offload moves all of them to the host
+    pinned_bytes: int  # torch's pinned allocator rounds each block up to a power of two
+    copy_bytes: int  # per step: device->host in the forward + host->device in the backward
+    host_bandwidth_gbps: float
+    copy_seconds: float
+    host_available_bytes: int | None
+    host_fits: bool | None
+    device_memory_bytes: int | None
+    device_memory_source: str  # "argument", "nvml" or "unknown"
+    seq_high: int
+    verdict: str
+    recommendation: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def estimate(
+    layers: int,
+    hidden: int,
+    seq: int,
+    batch: int = 1,
+    dtype: str = "bf16",
+    *,
+    device_memory_bytes: int | None = None,
+    device_memory_source: str = "argument",
+    host_available_bytes: int | None = None,
+    host_bandwidth_gbps: float = DEFAULT_HOST_BANDWIDTH_GBPS,
+    seq_high: int | None = None,
+) -> Estimate:
+    """Pure arithmetic and the recommendation; reads nothing from the machine (the caller passes what it read).
+
+    ``seq_high`` is the sequence length at which ``auto`` switches offload on (default: the Settings default).
+    """
+    dtype = normalize_dtype(dtype)
+    for name, value in (("layers", layers), ("hidden", hidden), ("seq", seq), ("batch", batch)):
+        _require_positive(name, value)
+    if device_memory_bytes is not None:
+        _require_positive("device memory", device_memory_bytes)
+    _require_positive("host bandwidth", host_bandwidth_gbps)
+    seq_high = Settings().seq_high if seq_high is None else seq_high
+
+    dtype_bytes = DTYPE_BYTES[dtype]
+    per_layer = batch * seq * hidden * dtype_bytes
+    saved = layers * per_layer
+    pinned = layers * (1 << (per_layer - 1).bit_length())
+    copy_bytes = 2 * saved
+    host_fits = None if host_available_bytes is None else pinned <= host_available_bytes
+    verdict, text = _recommend(saved, pinned, seq, seq_high, device_memory_bytes, host_available_bytes)
+    return Estimate(
+        layers=layers,
+        hidden=hidden,
+        seq=seq,
+        batch=batch,
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        saved_bytes=saved,
+        freed_bytes=saved,
+        pinned_bytes=pinned,
+        copy_bytes=copy_bytes,
+        host_bandwidth_gbps=float(host_bandwidth_gbps),
+        copy_seconds=copy_bytes / (host_bandwidth_gbps * 1e9),
+        host_available_bytes=host_available_bytes,
+        host_fits=host_fits,
+        device_memory_bytes=device_memory_bytes,
+        device_memory_source=device_memory_source if device_memory_bytes is not None else "unknown",
+        seq_high=seq_high,
+        verdict=verdict,
+        recommendation=text,
+    )
+
+
+def _recommend(
+    saved: int, pinned: int, seq: int, seq_high: int, device: int | None, host: int | None
+) -> tuple[str, str]:
+    """Why each branch: offload is needed when the saved inputs cannot fit at all; ``auto`` turns it on for
+    long sequences (seq_high) or a full device (memory_high, measured at run time, so only hinted at here);
+    and whenever it turns on, the pinned copies must fit in host memory."""
+    share = saved / device if device else None
+    if share is not None and share >= 1.0:
+        verdict = "required"
+        text = f"offload required: the saved inputs alone ({gib(saved)}) exceed device memory ({gib(device)})"
+    elif seq >= seq_high:
+        verdict = "auto"
+        text = f"auto: offload will switch on for sequences like this (seq {seq} >= AUTOOFFLOAD_SEQ_HIGH={seq_high})"
+    elif share is not None and share >= LARGE_SHARE:
+        verdict = "auto"
+        text = (
+            f"auto: the saved inputs take {share:.0%} of device memory; offload switches on when a step's "
+            "peak reaches AUTOOFFLOAD_MEMORY_HIGH"
+        )
+    else:
+        against = f"saved inputs are {share:.0%} of device memory" if share is not None else "device memory unknown"
+        return "not-needed", f"offload not needed: seq {seq} < AUTOOFFLOAD_SEQ_HIGH={seq_high}, {against}"
+    if host is not None and pinned > host:
+        need, have = gib(pinned), gib(host)
+        return "host-too-small", f"host too small: offload needs {need} of pinned host memory, this host has {have}"
+    return verdict, text
+
+
+def normalize_dtype(name: str) -> str:
+    key = name.strip().lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise EstimateError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    return key
+
+
+def _require_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise EstimateError(f"{name} must be a positive number, got {value!r}")
+
+
+def gib(nbytes: float) -> str:
+    """Bytes in GiB, or in MiB below one GiB so that small shapes do not print as 0.00."""
+    if nbytes < GIB:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+# ---- reading the machine and the config -----------------------------------------------------------------
+
+
+def read_config(path: str | Path) -> tuple[int, int]:
+    """(layers, hidden) of a transformers ``config.json`` (or a folder holding one). A multimodal config's
+    ``text_config`` wins over its top level: the checkpointed decoder layers are the language model's."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EstimateError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise EstimateError(f"cannot read {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise EstimateError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise EstimateError(f"{path} holds a JSON {type(config).__name__}, not a config object")
+    scopes = [config]
+    if isinstance(config.get("text_config"), dict):
+        scopes.insert(0, config["text_config"])
+    layers = _first_int(scopes, LAYER_KEYS)
+    hidden = _first_int(scopes, HIDDEN_KEYS)
+    missing = [what for what, value in (("layer count", layers), ("hidden size", hidden)) if value is None]
+    if missing:
+        keys = {"layer count": LAYER_KEYS, "hidden size": HIDDEN_KEYS}
+        wanted = "; ".join(f"{m} ({'/'.join(keys[m])})" for m in missing)
+        raise EstimateError(f"{path} has no {wanted}; pass --layers/--hidden")
+    return layers, hidden  # type: ignore[return-value]
+
+
+def _first_int(scopes: list[dict[str, Any]], keys: tuple[str, ...]) -> int | None:
+    for scope in scopes:
+        for key in keys:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def nvml_total_bytes() -> int | None:
+    """Total memory of the first GPU NVML lists, or None without a readable GPU (no driver, no device)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def host_available_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every error is one line on stderr and exit code 2, like the estimator's own errors."""
+
+    def error(self, message: str) -> NoReturn:
+        _print_error(message)
+        raise SystemExit(2)
+
+
+def _print_error(message: str) -> None:
+    print(f"autooffload estimate: error: {message}", file=sys.stderr)
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "number" if kind is float else "whole number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {expected}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="autooffload estimate",
+        description="What offloading checkpointed layer inputs frees on the device and costs in copies.",
+    )
+    parser.add_argument("config", nargs="?", help="a local config.json of a transformers model, or its folder")
+    parser.add_argument("--layers", type=_positive(int), help="checkpointed layers (overrides the config)")
+    parser.add_argument("--hidden", type=_positive(int), help="hidden size (overrides the config)")
+    parser.add_argument("--seq", type=_positive(int), required=True, help="sequence length in tokens")
+    parser.add_argument("--batch", type=_positive(int), default=1, help="micro-batch size (default 1)")
+    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPE_BYTES)} (default bf16)")
+    parser.add_argument(
+        "--device-memory",
+        type=_positive(float),
+        metavar="GIB",
+        help="device memory in GiB (2^30 bytes; an '80 GB' H100 has 79.6); default: the first GPU's total from NVML",
+    )
+    parser.add_argument(
+        "--host-bandwidth",
+        type=_positive(float),
+        default=DEFAULT_HOST_BANDWIDTH_GBPS,
+        metavar="GB/S",
+        help=f"host<->device copy bandwidth in GB/s (default {DEFAULT_HOST_BANDWIDTH_GBPS:g}: an assumption, "
+        "about PCIe Gen4 x16 with pinned memory and conservative for Gen5; measure yours)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the estimate; 0 on success, 2 on bad input (argparse's own errors exit 2 as well)."""
+    options = build_parser().parse_args(argv)
+    try:
+        layers = hidden = None
+        if options.config is not None:
+            layers, hidden = read_config(options.config)
+        layers = options.layers or layers
+        hidden = options.hidden or hidden
+        if layers is None or hidden is None:
+            raise EstimateError("give a config.json or both --layers and --hidden")
+        if options.device_memory is not None:
+            device, source = round(options.device_memory * GIB), "argument"
+        else:
+            device, source = nvml_total_bytes(), "nvml"
+        result = estimate(
+            layers,
+            hidden,
+            options.seq,
+            options.batch,
+            options.dtype,
+            device_memory_bytes=device,
+            device_memory_source=source,
+            host_available_bytes=host_available_bytes(),
+            host_bandwidth_gbps=options.host_bandwidth,
+            seq_high=Settings.from_env().seq_high,
+        )
+    except (EstimateError, SettingsError) as error:
+        _print_error(str(error))
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if options.json else render(result))
+    return 0
+
+
+def render(result: Estimate) -> str:
+    """The short table for a terminal."""
+    if result.host_available_bytes is None:
+        host = "host memory unknown"
+    else:
+        enough = "enough" if result.host_fits else "NOT enough"
+        host = f"this host has {gib(result.host_available_bytes)} available: {enough}"
+    if result.device_memory_bytes is None:
+        device = "unknown (no --device-memory, no GPU readable through NVML)"
+    else:
+        share = f"{result.saved_bytes / result.device_memory_bytes:.1%}"
+        device = f"{gib(result.device_memory_bytes)} ({result.device_memory_source}); saved inputs are {share} of it"
+    per_layer = gib(result.pinned_bytes // result.layers)
+    bandwidth = f"{result.host_bandwidth_gbps:g} GB/s"
+    rows = [
+        ("saved layer inputs on device", gib(result.saved_bytes), "layers x batch x seq x hidden x dtype-bytes"),
+        ("freed on device by offload", gib(result.freed_bytes), "every checkpointed layer offloaded"),
+        ("pinned host memory needed", gib(result.pinned_bytes), f"{result.layers} x {per_layer}; {host}"),
+        ("copy volume per step", gib(result.copy_bytes), "device->host in forward + host->device in backward"),
+        ("copy time per step", seconds(result.copy_seconds), f"at {bandwidth}; on the compute stream, so it adds"),
+    ]
+    head = (
+        f"autooffload estimate: {result.layers} layers x hidden {result.hidden}, batch {result.batch} x seq "
+        f"{result.seq}, {result.dtype} ({result.dtype_bytes} B)"
+    )
+    lines = [head] + [f"  {label:<28}  {value:>11}  {note}" for label, value, note in rows]
+    lines += [f"  {'device memory':<28}  {device}", f"  recommendation: {result.recommendation}"]
+    return "\n".join(lines)
