@@ -9,7 +9,7 @@ Modes, on the same model with the same weights and inputs:
   where the installed release has it (5.17+) and the device is a GPU; otherwise the same wrap it makes,
   torch's ``save_on_cpu``, installed here (on a CPU-only build the native option fails asking for pinned
   memory, so the CPU run uses ``pin_memory=False``, and there the "copy" to the host is a no-op);
-- ``on``: autooffload with ``mode="on"`` (its own hooks: a real copy into a fresh host tensor, counted);
+- ``on``: autooffload with ``mode="on"`` (its own hooks, bytes counted; on a GPU a copy into pinned host memory);
 - ``auto``: autooffload's OffloadController with its hysteresis policy; on the GPU with the default
   settings, on the CPU with the sequence thresholds scaled down to the CPU shapes.
 
@@ -513,10 +513,10 @@ def render_markdown(env: dict[str, Any], rows: list, mixed: dict | None, notes: 
             "CPU run: host and device memory are the same here, so nothing is freed. The memory columns are the "
             "bytes the offload hooks packed to host memory, which is what a GPU would free. `always` on a "
             "CPU-only build is torch's `save_on_cpu(pin_memory=False)` (transformers' native offload fails there "
-            "asking for pinned memory), whose pack is `tensor.cpu()`: a no-op for a CPU tensor. autooffload's "
-            "hooks make a real copy into a new host tensor. What counts here: bytes moved and time ratios. CPU time is "
-            "the process's CPU time over the same steps (torch runs on one thread): on a shared machine it is less "
-            "disturbed by other processes than the wall-clock step time.",
+            "asking for pinned memory), whose pack is `tensor.cpu()`: a no-op for a CPU tensor, as autooffload's "
+            "hooks are for a tensor already in host memory. What counts here: bytes counted and time ratios. CPU "
+            "time is the process's CPU time over the same steps (torch runs on one thread): on a shared machine it is "
+            "less disturbed by other processes than the wall-clock step time.",
             "",
         ]
     memory_head = (
