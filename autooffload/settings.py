@@ -120,17 +120,15 @@ def _env_name(field_name: str) -> str:
 
 def _parse(key: str, raw: str, kind: Any) -> Any:
     text = raw.strip()
-    if kind in (bool, "bool"):
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise SettingsError(f"{key}={raw!r} is not a switch: expected 1, true, yes, on, 0, false, no or off")
     if kind in (int, "int"):
         try:
             return int(text)
         except ValueError:
             raise SettingsError(f"{key}={raw!r} is not an integer") from None
+    if kind in (bool, "bool"):
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise SettingsError(f"{key}={raw!r} is not a boolean: expected 1 or 0 (true or false)")
     if kind in (float, "float"):
         try:
             return float(text)
@@ -139,11 +137,14 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
     return text.lower()
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
 _ALLOWED = {
     "mode": ("one of " + ", ".join(MODES), lambda v: v in MODES),
     "engine": ("one of " + ", ".join(ENGINES), lambda v: v in ENGINES),
     "policy": ("one of " + ", ".join(POLICIES), lambda v: v in POLICIES),
-    "rescue": ("True or False", lambda v: True),
+    "rescue": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
     "memory_high": ("a fraction in (0, 1]", lambda v: 0.0 < v <= 1.0),
     "memory_low": ("a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0),
     "seq_high": ("an integer >= 1", lambda v: v >= 1),

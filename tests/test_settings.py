@@ -58,7 +58,7 @@ def test_env_overrides_defaults_and_arguments_override_env():
             {"AUTOOFFLOAD_POLICY": "oracle"},
             r"AUTOOFFLOAD_POLICY='oracle' is not allowed: expected one of predictive, hysteresis",
         ),
-        ({"AUTOOFFLOAD_RESCUE": "maybe"}, r"AUTOOFFLOAD_RESCUE='maybe' is not a switch"),
+        ({"AUTOOFFLOAD_RESCUE": "maybe"}, r"AUTOOFFLOAD_RESCUE='maybe' is not a boolean"),
         (
             {"AUTOOFFLOAD_MEMORY_HI": "0.9"},
             r"unknown environment variable AUTOOFFLOAD_MEMORY_HI='0.9'; autooffload reads: ",
@@ -86,7 +86,7 @@ def test_bad_argument_names_the_setting():
         AutoOffloadCallback(memory_high=2)
     with pytest.raises(SettingsError, match="unknown setting"):
         Settings.from_env({}, memory_hgih=0.5)
-    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_RESCUE='yes' is not allowed: expected True or False"):
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_RESCUE='yes' is not allowed: expected a boolean \(1 or 0\)"):
         AutoOffloadCallback(rescue="yes")
 
 
