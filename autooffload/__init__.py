@@ -4,7 +4,9 @@ pinned host memory, per micro-batch, when a long sequence or a full device says 
 from .controller import AutoOffloadWarning, OffloadController
 from .offload import OffloadStats
 from .policy import HysteresisPolicy, Observation, Policy
+from .predictive import PredictivePolicy
 from .probe import MemoryProbe, MemoryReading, NvmlProbe, ProbeUnavailable, ScriptedProbe
+from .rescue import Rescue
 from .settings import Settings, SettingsError
 
 __version__ = "0.1.0"
@@ -20,10 +22,13 @@ __all__ = [
     "OffloadController",
     "OffloadStats",
     "Policy",
+    "PredictivePolicy",
     "ProbeUnavailable",
+    "Rescue",
     "ScriptedProbe",
     "Settings",
     "SettingsError",
+    "attach",
 ]
 
 
@@ -33,4 +38,8 @@ def __getattr__(name: str):
         from .callback import AutoOffloadCallback
 
         return AutoOffloadCallback
+    if name == "attach":
+        from .callback import attach
+
+        return attach
     raise AttributeError(f"module 'autooffload' has no attribute {name!r}")

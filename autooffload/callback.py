@@ -51,7 +51,8 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     Arguments override ``AUTOOFFLOAD_*`` environment variables, which override the ``offload`` key of the
     checkpointing kwargs, which overrides the defaults (see :class:`~autooffload.settings.Settings`).
-    ``probe`` and ``policy`` replace the NVML reading and the hysteresis policy.
+    ``probe`` replaces the NVML reading. ``policy`` is a policy's name (the ``policy`` setting) or an object
+    that replaces the named policies. To rescue out-of-memory steps as well, use :func:`attach`.
     """
 
     _latest: weakref.ReferenceType | None = None
@@ -68,7 +69,8 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         engine: str | None = None,
         *,
         probe: MemoryProbe | str | None = "auto",
-        policy: Policy | None = None,
+        policy: Policy | str | None = None,
+        rescue: bool | None = None,
     ) -> None:
         given = dict(
             mode=mode,
@@ -79,7 +81,10 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             min_steps=min_steps,
             compile_max_switches=compile_max_switches,
             engine=engine,
+            policy=policy if isinstance(policy, str) else None,
+            rescue=rescue,
         )
+        policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}
         self.controller = OffloadController(Settings.from_env(**self.explicit), probe=probe, policy=policy)
         self._log_wrapped = False
@@ -176,3 +181,26 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             self.controller.probe_choice = previous.controller.probe_choice
             self.controller.policy = previous.controller.policy
         self.controller.load_state_dict(value)
+
+
+def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
+    """Add autooffload to a built Trainer: the callback, and the rescue of out-of-memory steps.
+
+    Uses the trainer's :class:`AutoOffloadCallback` if it has one (``kwargs`` must then be empty), else adds
+    one built from ``kwargs``. A callback cannot catch an exception, so the rescue wraps
+    ``trainer.training_step`` on this instance (see :mod:`autooffload.rescue`); it looks the callback up at
+    every call, since resuming with ``restore_callback_states_from_checkpoint`` replaces it.
+    """
+    from .rescue import with_rescue
+
+    def current() -> AutoOffloadCallback | None:
+        return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+
+    callback = current()
+    if callback is None:
+        callback = AutoOffloadCallback(**kwargs)
+        trainer.add_callback(callback)
+    elif kwargs:
+        raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
+    with_rescue(trainer, lambda: (current() or callback).controller)
+    return callback

@@ -28,7 +28,8 @@ import torch
 
 from .compile_guard import CompileBudget, is_compiled
 from .offload import OffloadStats
-from .policy import HysteresisPolicy, Observation, Policy
+from .policy import Observation, Policy
+from .predictive import compile_levels, make_policy
 from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
 from .switch import CheckpointSwitch, find_targets
@@ -58,6 +59,18 @@ def token_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return None
 
 
+def _layer_token_bytes(model: torch.nn.Module) -> float | None:
+    """Bytes one token's checkpointed layer input takes, from the config: hidden size x parameter dtype bytes.
+
+    A first guess only: the controller replaces it with what the hooks measure once a step has offloaded.
+    """
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    for parameter in model.parameters():
+        if isinstance(hidden, int) and parameter.is_floating_point():
+            return float(hidden * parameter.element_size())
+    return None
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
@@ -69,9 +82,9 @@ class OffloadController:
 
     ``settings``: a :class:`~autooffload.settings.Settings` (default: ``Settings.from_env()``).
     ``probe``: a :class:`~autooffload.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
-    ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: a
-    :class:`~autooffload.policy.HysteresisPolicy` from the settings). ``compiled``: force or deny the
-    torch.compile budget; by default it is on when the attached model is compiled.
+    ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: the
+    one ``settings.policy`` names). ``compiled``: force or deny the torch.compile budget; by default it is on
+    when the attached model is compiled.
     """
 
     def __init__(
@@ -82,7 +95,7 @@ class OffloadController:
         policy: Policy | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
-        self.policy = policy if policy is not None else HysteresisPolicy.from_settings(self.settings)
+        self.policy = policy if policy is not None else make_policy(self.settings)
         self.probe_choice = probe
         self.probe: MemoryProbe | None = None
         self.stats = OffloadStats()
@@ -93,6 +106,13 @@ class OffloadController:
         self.latched = False
         self.compiled = False
         self.memory_fraction: float | None = None
+        self.memory_bytes: int | None = None
+        self.total_bytes: int | None = None
+        self.layer_token_bytes: float | None = None
+        self.rescues = 0
+        self.rescuing = False
+        self.last_step_rescued = False
+        self._layer_tokens = 0
         self.peak_memory_fraction: float | None = None
         self.last_step_bytes = 0
         self.active = 0.0
@@ -123,6 +143,7 @@ class OffloadController:
             return False
         self.switch = CheckpointSwitch(targets, self.stats)
         self.compiled = is_compiled(model) if compiled is None else compiled
+        self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
         self.probe = self._make_probe(_model_device(model))
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
@@ -202,12 +223,13 @@ class OffloadController:
                 self.budget.switched()
         self._apply(level)
         self._offloaded_this_step |= level > 0
+        self._layer_tokens += self.switch.offloaded * tokens
         self._micro_batches += 1
         return level
 
     def _fixed_level(self) -> int | None:
         assert self.switch is not None
-        if self.latched or self.settings.mode == "on":
+        if self.latched or self.rescuing or self.settings.mode == "on":
             return len(self.switch.layers)
         if self.settings.mode == "off":
             return 0
@@ -221,7 +243,18 @@ class OffloadController:
         if self._policy_failed:
             return 0
         layers = len(self.switch.layers)
-        observation = Observation(self.step, seq_len, tokens, self.memory_fraction, layers)
+        observation = Observation(
+            self.step,
+            seq_len,
+            tokens,
+            self.memory_fraction,
+            layers,
+            memory_bytes=self.memory_bytes,
+            total_bytes=self.total_bytes,
+            bytes_per_layer=round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None,
+            levels=compile_levels(layers, self.settings.compile_max_switches) if self.compiled else None,
+            last_step_rescued=self.last_step_rescued,
+        )
         try:
             return max(0, min(int(self.policy.decide(observation)), layers))
         except Exception as error:  # a user's policy must not end the run
@@ -247,12 +280,32 @@ class OffloadController:
             "(the memory-safe state) for the rest of the run",
         )
 
+    def rescue(self) -> bool:
+        """Offload every layer until this step ends, for a rerun after an out-of-memory error.
+
+        False when that cannot help: nothing is controlled, or mode ``off`` forbids offload.
+        """
+        if self.switch is None or self.settings.mode == "off":
+            return False
+        self.rescues += 1
+        self.rescuing = True
+        logger.warning(
+            "autooffload: step %d ran out of device memory; rerunning it with all %d layer(s) offloaded",
+            self.step,
+            len(self.switch.layers),
+        )
+        return True
+
     # ---- close a step --------------------------------------------------------------------------------
 
     def end_step(self) -> None:
         """Close an optimizer step: bytes moved, memory reading, dwell counter."""
         self._settle_budget()
         self.last_step_bytes = self.stats.next_step()
+        if self.last_step_bytes and self._layer_tokens and not self.rescuing:
+            self.layer_token_bytes = self.last_step_bytes / self._layer_tokens
+        self._layer_tokens = 0
+        self.last_step_rescued, self.rescuing = self.rescuing, False
         self.steps_offloading += int(self._offloaded_this_step)
         self._offloaded_this_step = False
         self.memory_fraction = self._read_memory()
@@ -261,6 +314,7 @@ class OffloadController:
         self.step += 1
 
     def _read_memory(self) -> float | None:
+        self.memory_bytes = None
         if self.probe is None:
             return None
         try:
@@ -272,7 +326,10 @@ class OffloadController:
                 f"memory reading failed ({error!r}); the sequence-length trigger alone decides from now on",
             )
             return None
-        return None if reading is None else reading.fraction
+        if reading is None:
+            return None
+        self.memory_bytes, self.total_bytes = reading.used_bytes, reading.total_bytes
+        return reading.fraction
 
     def _apply(self, level: int) -> None:
         assert self.switch is not None
@@ -288,6 +345,7 @@ class OffloadController:
             "autooffload/active": self.active,
             "autooffload/offloaded_bytes": float(self.last_step_bytes),
             "autooffload/switches": float(self.switches),
+            "autooffload/rescues": float(self.rescues),
         }
         if self.memory_fraction is not None:
             logs["autooffload/memory_fraction"] = self.memory_fraction
@@ -317,6 +375,7 @@ class OffloadController:
             "level": self.level,
             "latched": self.latched,
             "budget_spent": self.budget.spent,
+            "rescues": self.rescues,
             "policy": self.policy.state_dict() if hasattr(self.policy, "state_dict") else None,
         }
 
@@ -327,11 +386,18 @@ class OffloadController:
         self.stats.total_bytes = int(state.get("total_bytes", 0))
         self.latched = bool(state["latched"])
         self.budget.spent = int(state["budget_spent"])
+        self.rescues = int(state.get("rescues", 0))
         self.level = state.get("level")
         if self.level is not None:
             self._micro_batches = 1  # the next change of level is a switch, as it would have been
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(state["policy"])
+            try:
+                self.policy.load_state_dict(state["policy"])
+            except (KeyError, TypeError, ValueError) as error:  # saved by another policy (AUTOOFFLOAD_POLICY changed)
+                self._warn(
+                    "policy-state",
+                    f"the saved policy state does not fit {type(self.policy).__name__} ({error!r}); it starts afresh",
+                )
         if self.switch is not None and self.level is not None:
             self._apply(self.level)
 

@@ -20,6 +20,14 @@ class Observation:
     ``memory_fraction``: the peak of the last finished optimizer step as a fraction of device memory, or
     ``None`` when there is no reading (no GPU, no NVML, no step finished yet).
     ``layers``: how many layers are checkpointed, the most that can be offloaded.
+
+    The rest is optional, for policies that plan in bytes (``None``: not known). ``memory_bytes`` and
+    ``total_bytes``: the same reading as ``memory_fraction``, in bytes. ``bytes_per_layer``: what one
+    checkpointed layer's saved input takes for this micro-batch, so what offloading one layer frees.
+    ``levels``: the only numbers of layers allowed (torch.compile: each distinct level can cost a
+    recompilation); ``None`` allows any from 0 to ``layers``. ``last_step_rescued``: the last step ran out of
+    memory and was rerun (:mod:`autooffload.rescue`), so its reading is where the device ran out, a lower
+    bound of what the step needed.
     """
 
     step: int
@@ -27,6 +35,11 @@ class Observation:
     tokens: int
     memory_fraction: float | None
     layers: int
+    memory_bytes: int | None = None
+    total_bytes: int | None = None
+    bytes_per_layer: int | None = None
+    levels: tuple[int, ...] | None = None
+    last_step_rescued: bool = False
 
 
 class Policy(Protocol):

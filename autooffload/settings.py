@@ -16,6 +16,7 @@ from typing import Any
 ENV_PREFIX = "AUTOOFFLOAD_"
 MODES = ("auto", "on", "off")
 ENGINES = ("sync",)
+POLICIES = ("predictive", "hysteresis")
 
 
 class SettingsError(ValueError):
@@ -31,6 +32,11 @@ class Settings:
     length reaches ``seq_high``; it turns off only when memory is below ``memory_low``, the sequence length is
     below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. Under torch.compile,
     at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
+
+    ``policy`` picks who decides in ``auto`` mode: ``"predictive"`` plans each micro-batch from its token count
+    and the memory seen so far, offloading only the layers it needs; ``"hysteresis"`` is the all-or-nothing
+    threshold policy described above. ``rescue``: rerun a step that ran out of device memory once, with every
+    layer offloaded (only where :func:`autooffload.attach` or :class:`autooffload.rescue.Rescue` is in place).
     """
 
     mode: str = "auto"
@@ -41,6 +47,8 @@ class Settings:
     min_steps: int = 2
     compile_max_switches: int = 4
     engine: str = "sync"
+    policy: str = "predictive"
+    rescue: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -117,6 +125,10 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
             return int(text)
         except ValueError:
             raise SettingsError(f"{key}={raw!r} is not an integer") from None
+    if kind in (bool, "bool"):
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise SettingsError(f"{key}={raw!r} is not a boolean: expected 1 or 0 (true or false)")
     if kind in (float, "float"):
         try:
             return float(text)
@@ -125,9 +137,14 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
     return text.lower()
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
 _ALLOWED = {
     "mode": ("one of " + ", ".join(MODES), lambda v: v in MODES),
     "engine": ("one of " + ", ".join(ENGINES), lambda v: v in ENGINES),
+    "policy": ("one of " + ", ".join(POLICIES), lambda v: v in POLICIES),
+    "rescue": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
     "memory_high": ("a fraction in (0, 1]", lambda v: 0.0 < v <= 1.0),
     "memory_low": ("a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0),
     "seq_high": ("an integer >= 1", lambda v: v >= 1),
@@ -139,8 +156,10 @@ _ALLOWED = {
 
 def _check(name: str, value: Any, env_name: str) -> None:
     allowed, ok = _ALLOWED[name]
-    expected = {"mode": str, "engine": str}.get(name, float if name.startswith("memory") else int)
-    well_typed = isinstance(value, expected) and not isinstance(value, bool)
+    expected = {"mode": str, "engine": str, "policy": str, "rescue": bool}.get(
+        name, float if name.startswith("memory") else int
+    )
+    well_typed = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if expected is float:
         well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not well_typed or not ok(value):

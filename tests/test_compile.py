@@ -38,7 +38,9 @@ def _forget_compilation():
 
 def compiled_run(tmp_path, budget: int):
     torch_dynamo.reset()
-    callback = AutoOffloadCallback(min_steps=0, compile_max_switches=budget, probe=ScriptedProbe(CURVE))
+    callback = AutoOffloadCallback(
+        min_steps=0, compile_max_switches=budget, probe=ScriptedProbe(CURVE), policy="hysteresis"
+    )
     moved = []
 
     class Record(type(callback).__mro__[1]):  # a plain TrainerCallback

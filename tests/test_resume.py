@@ -20,13 +20,13 @@ def offload_logs(trainer):
 
 @pytest.mark.parametrize("rebuild", [False, True], ids=["default", "restore_callback_states"])
 def test_resume_restores_the_controller_state(tmp_path, rebuild):
-    first = AutoOffloadCallback(seq_high=200, seq_low=100, min_steps=4, probe=None)
+    first = AutoOffloadCallback(seq_high=200, seq_low=100, min_steps=4, probe=None, policy="hysteresis")
     args = training_args(tmp_path, 3, save_strategy="steps", save_steps=3)
     InOrderTrainer(model=model(), args=args, train_dataset=dataset(LENGTHS), callbacks=[first]).train()
     assert first.controller.state_dict()["level"] == 4 and first.controller.switches == 1
 
     probe = ScriptedProbe([0.5])
-    second = AutoOffloadCallback(seq_high=200, seq_low=100, min_steps=4, probe=probe)
+    second = AutoOffloadCallback(seq_high=200, seq_low=100, min_steps=4, probe=probe, policy="hysteresis")
     args = training_args(tmp_path, 5, save_strategy="no", restore_callback_states_from_checkpoint=rebuild)
     trainer = InOrderTrainer(model=model(), args=args, train_dataset=dataset(LENGTHS), callbacks=[second])
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))

@@ -8,6 +8,20 @@ def test_defaults():
     s = Settings.from_env({})
     assert (s.mode, s.memory_high, s.memory_low, s.min_steps) == ("auto", 0.90, 0.80, 2)
     assert s.seq_low <= s.seq_high
+    assert (s.policy, s.rescue) == ("predictive", True)
+
+
+@pytest.mark.parametrize(("raw", "value"), [("0", False), ("off", False), ("FALSE", False), ("1", True), ("yes", True)])
+def test_rescue_switch_spellings(raw, value):
+    assert Settings.from_env({"AUTOOFFLOAD_RESCUE": raw}).rescue is value
+
+
+def test_policy_from_env_and_argument():
+    assert Settings.from_env({"AUTOOFFLOAD_POLICY": "Hysteresis"}).policy == "hysteresis"
+    assert AutoOffloadCallback(policy="hysteresis", probe=None).controller.policy.__class__.__name__ == (
+        "HysteresisPolicy"
+    )
+    assert AutoOffloadCallback(probe=None).controller.policy.__class__.__name__ == "PredictivePolicy"
 
 
 def test_env_overrides_defaults_and_arguments_override_env():
@@ -41,6 +55,11 @@ def test_env_overrides_defaults_and_arguments_override_env():
         ),
         ({"AUTOOFFLOAD_ENGINE": "magic"}, r"AUTOOFFLOAD_ENGINE='magic' is not allowed"),
         (
+            {"AUTOOFFLOAD_POLICY": "oracle"},
+            r"AUTOOFFLOAD_POLICY='oracle' is not allowed: expected one of predictive, hysteresis",
+        ),
+        ({"AUTOOFFLOAD_RESCUE": "maybe"}, r"AUTOOFFLOAD_RESCUE='maybe' is not a boolean"),
+        (
             {"AUTOOFFLOAD_MEMORY_HI": "0.9"},
             r"unknown environment variable AUTOOFFLOAD_MEMORY_HI='0.9'; autooffload reads: ",
         ),
@@ -67,6 +86,8 @@ def test_bad_argument_names_the_setting():
         AutoOffloadCallback(memory_high=2)
     with pytest.raises(SettingsError, match="unknown setting"):
         Settings.from_env({}, memory_hgih=0.5)
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_RESCUE='yes' is not allowed: expected a boolean \(1 or 0\)"):
+        AutoOffloadCallback(rescue="yes")
 
 
 @pytest.mark.parametrize(

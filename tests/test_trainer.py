@@ -82,7 +82,7 @@ def test_decision_is_per_micro_batch_with_gradient_accumulation(tmp_path):
 
 def test_memory_curve_switches_on_and_off_on_the_right_steps(tmp_path):
     curve = [0.50, 0.70, 0.91, 0.95, 0.85, 0.82, 0.79, 0.60, 0.92, 0.50]
-    callback = AutoOffloadCallback(min_steps=2, probe=ScriptedProbe(curve))
+    callback = AutoOffloadCallback(min_steps=2, probe=ScriptedProbe(curve), policy="hysteresis")
     _, _, rows = run_with(tmp_path, [64] * 11, callback)
     # A reading at the end of step n decides step n + 1: on after 0.91 (step 2) -> steps 3..6; off after 0.79
     # (step 6, dwell since step 3 passed) -> step 7 plain; on again after 0.92 (step 8) -> step 9, and the

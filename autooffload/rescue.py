@@ -1,0 +1,162 @@
+"""Rescue: when a step runs out of device memory, rerun it once with every layer offloaded.
+
+A prediction can be wrong (a length never seen, fragmentation, another process on the GPU). Rather than lose
+the run, catch ``torch.OutOfMemoryError``, free what the failed attempt held, offload all layers until the
+step ends, and run the step's micro-batches again from the start. If the rerun fails too, the original
+error is raised (with a note), so nothing is hidden and a step is retried at most once.
+
+No gradient is counted twice: an error in the backward can strike after some parameters have already
+accumulated this micro-batch's gradient, and nothing tells which. So the rerun starts from cleared gradients
+(``zero_grad(set_to_none=True)``) and replays every micro-batch of the step that had run, with the random
+number state of the step's start restored: the gradients it produces are the ones a run without the error
+produces (bit for bit where the kernels are deterministic, as on a CPU). The losses already returned for
+the earlier micro-batches stand; only the failed one's loss comes from the rerun.
+
+What is freed: the failed attempt's activations and graph are held by the frames of the error's traceback,
+not only in their locals but in the cells of closures those frames run (``nn.Module`` calls its hooks
+through one that holds the call's arguments), so clearing the frames is not enough: the traceback itself
+is dropped, kept as text in case the error is raised after all; then ``gc`` and the CUDA cache.
+
+Not rescued (the error is raised as it is): an error outside the forward and backward (the optimizer
+step); runs with more than one process, where the other ranks wait in a collective for this one; mode
+``off``, which forbids offload; ``AUTOOFFLOAD_RESCUE=0``.
+
+Two ways in:
+
+- Trainer (a callback cannot catch an exception): ``autooffload.attach(trainer)`` adds the callback and wraps
+  ``trainer.training_step`` on the instance (:func:`with_rescue`).
+- A custom loop: put a whole step's forwards and backwards in a function and run it through
+  :meth:`Rescue.run`; gradients must be clear when the step starts (the usual ``zero_grad`` after
+  ``optimizer.step``), and the function must be able to run twice (iterate over a list, not a consumed
+  iterator)::
+
+      rescue = Rescue(controller, model)
+      for batches in loader:
+          rescue.run(lambda: [(model(**b).loss / len(batches)).backward() for b in batches])
+          optimizer.step()
+          optimizer.zero_grad()
+          controller.end_step()
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .controller import OffloadController
+
+Result = TypeVar("Result")
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _note(error: BaseException, text: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(text)
+
+
+class Rescue:
+    """Runs a step, and once more with every layer offloaded if it ran out of device memory.
+
+    ``controller``: the attached :class:`~autooffload.controller.OffloadController` (or a function returning
+    the current one); ``model``: the module whose gradients the step accumulates.
+    """
+
+    def __init__(self, controller: OffloadController | Callable[[], OffloadController], model: torch.nn.Module) -> None:
+        self._controller = controller
+        self.model = model
+
+    @property
+    def controller(self) -> OffloadController:
+        return self._controller() if callable(self._controller) else self._controller
+
+    def run(self, step: Callable[[], Result]) -> Result:
+        """``step()``, rerun once after an out-of-memory error; the original error if the rerun fails too."""
+        rng = _rng_state()
+        try:
+            return step()
+        except torch.OutOfMemoryError as error:
+            failed = error
+        return self.retry(failed, rng, step)
+
+    def retry(self, error: torch.OutOfMemoryError, rng: Any, again: Callable[[], Result]) -> Result:
+        """After ``error``: free, offload every layer, restore ``rng`` and return ``again()``; or raise ``error``."""
+        controller = self.controller
+        if not controller.settings.rescue:
+            raise error
+        if _distributed():
+            _note(error, "autooffload: no rescue with more than one process (the other ranks wait in a collective)")
+            raise error
+        if not controller.rescue():
+            raise error
+        origin = "".join(traceback.format_tb(error.__traceback__))
+        error.__traceback__ = None
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        _set_rng_state(rng)
+        try:
+            return again()
+        except torch.OutOfMemoryError as second:
+            _note(error, f"autooffload: the rerun with every layer offloaded ran out of memory too: {second}")
+        _note(error, f"autooffload: first raised here (traceback dropped to free the failed step's memory):\n{origin}")
+        raise error
+
+
+def with_rescue(trainer: Any, controller: OffloadController | Callable[[], OffloadController]) -> None:
+    """Wrap ``trainer.training_step`` (one micro-batch) on the instance with the rescue.
+
+    The wrapper remembers the micro-batches of the current optimizer step (Trainer holds them for the whole
+    step anyway); after an out-of-memory error in one of them it replays the earlier ones and the failed one.
+    Wrapping twice does nothing.
+    """
+    inner = trainer.training_step
+    if getattr(inner, "_autooffload_rescue", False):
+        return
+    earlier: list[tuple[Any, tuple, dict]] = []
+    current: dict[str, Any] = {"state": None, "step": None, "rng": None}
+
+    def training_step(model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        state = trainer.state  # a new object for every train() call, so a new run never replays an old step
+        if current["state"] is not state or current["step"] != state.global_step:
+            current.update(state=state, step=state.global_step, rng=_rng_state())
+            earlier.clear()
+        try:
+            loss = inner(model, inputs, *args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            failed = error
+        else:
+            earlier.append((inputs, args, kwargs))
+            return loss
+
+        def replay() -> torch.Tensor:
+            for batch, batch_args, batch_kwargs in earlier:
+                inner(model, batch, *batch_args, **batch_kwargs)
+            return inner(model, inputs, *args, **kwargs)
+
+        loss = Rescue(controller, model).retry(failed, current["rng"], replay)
+        earlier.append((inputs, args, kwargs))
+        return loss
+
+    training_step._autooffload_rescue = True
+    trainer.training_step = training_step

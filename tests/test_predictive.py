@@ -1,0 +1,148 @@
+"""The predictive policy with plain numbers: no torch, no clock.
+
+A made-up device: 2,000,000 bytes, a step needs 1,000,000 + 850 bytes per token without offload (8 layers
+of 100 bytes per token each, plus 50 per token of working set), and offloading a layer frees 100 per token.
+"""
+
+import math
+
+import pytest
+
+from autooffload.policy import Observation
+from autooffload.predictive import PredictivePolicy, compile_levels, make_policy
+from autooffload.settings import Settings
+
+LAYERS, PER_TOKEN, STATIC, SLOPE, TOTAL = 8, 100, 1_000_000, 850, 2_000_000
+
+
+def peak(tokens, level):
+    return STATIC + SLOPE * tokens - min(level, LAYERS - 1) * PER_TOKEN * tokens
+
+
+def observe(step, tokens, reading, rescued=False, levels=None):
+    return Observation(
+        step,
+        tokens,
+        tokens,
+        None if reading is None else reading / TOTAL,
+        LAYERS,
+        memory_bytes=reading,
+        total_bytes=None if reading is None else TOTAL,
+        bytes_per_layer=PER_TOKEN * tokens,
+        levels=levels,
+        last_step_rescued=rescued,
+    )
+
+
+def run(policy, lengths, start=0, reading=None):
+    """One micro-batch per step; the reading of each step is what ``peak`` says. Returns levels, last reading."""
+    levels = []
+    for step, tokens in enumerate(lengths, start):
+        level = policy.decide(observe(step, tokens, reading))
+        levels.append(level)
+        reading = peak(tokens, level)
+    return levels, reading
+
+
+def trained(lengths=(100, 200, 300)):
+    policy = PredictivePolicy(memory_high=0.9, seq_high=10**6, seq_low=10**5)
+    _, reading = run(policy, lengths)
+    return policy, len(lengths), reading
+
+
+def test_a_long_micro_batch_gets_exactly_the_layers_that_cover_the_excess():
+    policy, step, reading = trained()
+    assert policy.fitted and policy.slope(LAYERS * PER_TOKEN) == pytest.approx(SLOPE)
+    # 1200 tokens: plain peak 2,020,000, limit 1,800,000, excess 220,000 = 1.83 layers of 120,000 -> 2.
+    assert policy.predict(1200) == pytest.approx(2_020_000)
+    assert policy.decide(observe(step, 1200, reading)) == 2
+    assert peak(1200, 2) <= 0.9 * TOTAL < peak(1200, 1)
+
+
+def test_short_micro_batches_offload_nothing_and_the_sample_after_an_offload_keeps_the_fit():
+    policy, step, reading = trained()
+    levels, _ = run(policy, [1200, 100, 1000, 150], start=step, reading=reading)
+    # 1000 tokens: 1,850,000 - 1,800,000 = 50,000 over; 100,000 per layer -> 1.
+    assert levels == [2, 0, 1, 0]
+    assert policy.slope(LAYERS * PER_TOKEN) == pytest.approx(SLOPE)
+
+
+def test_never_the_last_layer():
+    policy, step, reading = trained()
+    assert policy.decide(observe(step, 50_000, reading)) == LAYERS - 1
+
+
+def test_one_sample_is_seeded_from_the_arithmetic_of_the_checkpointed_inputs():
+    policy = PredictivePolicy(memory_high=0.9)
+    policy.decide(observe(0, 100, None))
+    policy.decide(observe(1, 100, peak(100, 0)))
+    # Slope = layers x bytes per layer input per token = 800 until two lengths are seen.
+    assert not policy.fitted
+    assert policy.predict(1000, PER_TOKEN * 1000) == pytest.approx(peak(100, 0) + 800 * 900)
+
+
+def test_without_a_reading_it_is_the_hysteresis_policy():
+    policy = PredictivePolicy(seq_high=1000, seq_low=500, min_steps=0)
+    levels = [policy.decide(observe(step, tokens, None)) for step, tokens in enumerate([100, 1000, 700, 400])]
+    assert levels == [0, LAYERS, LAYERS, 0]
+
+
+def test_while_learning_the_threshold_policy_is_a_floor():
+    policy = PredictivePolicy(memory_high=0.9, seq_high=800, seq_low=400, min_steps=0)
+    levels, reading = run(policy, [100, 800])
+    # At 800 tokens the plan says 0 (predicted 1,645,000 < 1,800,000), but one sample is no fit yet and the
+    # sequence trigger fires: the threshold policy's answer, capped at layers - 1, stands.
+    assert levels == [0, LAYERS - 1] and not policy.fitted
+    levels, _ = run(policy, [300, 800], start=2, reading=reading)
+    assert policy.fitted and levels == [0, 0]
+
+
+def test_a_rescued_step_raises_the_line_but_stays_out_of_the_slope():
+    policy, step, reading = trained()
+    policy.decide(observe(step, 1500, reading))
+    # That step ran out of memory: its reading is the device's size, a lower bound of what it needed.
+    level = policy.decide(observe(step + 1, 100, TOTAL, rescued=True))
+    assert policy.samples[-1][2] is False
+    assert policy.slope(LAYERS * PER_TOKEN) == pytest.approx(SLOPE)
+    assert policy.predict(1500) >= TOTAL and level == 0
+
+
+def test_compile_levels_round_up():
+    assert compile_levels(36, 4) == (0, 12, 24, 35, 36)
+    assert compile_levels(4, 4) == (0, 1, 2, 3, 4)
+    assert compile_levels(8, 2) == (0, 7, 8)
+    assert compile_levels(1, 4) == (0, 1)
+    policy, step, reading = trained()
+    assert policy.decide(observe(step, 1200, reading, levels=compile_levels(LAYERS, 3))) == 4  # 2 -> (0, 4, 7, 8)
+
+
+def test_prediction_is_never_below_a_peak_seen():
+    policy = PredictivePolicy(memory_high=0.9, seq_high=10**6, seq_low=10**5)
+    lengths = [100, 700, 300, 900, 200, 500]
+    noisy = [STATIC + SLOPE * t + (7919 * i) % 30_000 for i, t in enumerate(lengths)]
+    policy.decide(observe(0, lengths[0], None))
+    for step in range(1, len(lengths)):
+        policy.decide(observe(step, lengths[step], noisy[step - 1]))
+    assert all(policy.predict(t) >= y - 1e-6 for t, y in zip(lengths[:-1], noisy[:-1], strict=True))
+
+
+def test_the_peak_micro_batch_of_an_accumulated_step_carries_the_sample():
+    policy, step, reading = trained()
+    policy.decide(observe(step, 100, reading))
+    k = policy.decide(observe(step, 1200, reading))
+    policy.decide(observe(step + 1, 100, peak(1200, k)))
+    tokens, plain, _ = policy.samples[-1]
+    assert tokens == 1200 and plain == pytest.approx(peak(1200, 0))
+
+
+def test_state_round_trip():
+    policy, step, reading = trained()
+    clone = PredictivePolicy(memory_high=0.9, seq_high=10**6, seq_low=10**5)
+    clone.load_state_dict(policy.state_dict())
+    assert clone.decide(observe(step, 1200, reading)) == policy.decide(observe(step, 1200, reading)) == 2
+
+
+def test_make_policy_follows_the_setting():
+    assert type(make_policy(Settings())).__name__ == "PredictivePolicy"
+    assert type(make_policy(Settings(policy="hysteresis"))).__name__ == "HysteresisPolicy"
+    assert math.isclose(make_policy(Settings(memory_high=0.7, memory_low=0.5)).memory_high, 0.7)

@@ -1,0 +1,174 @@
+"""Rescue: an out-of-memory error in a step is rerun with every layer offloaded, and nothing is counted twice.
+
+The error is injected where a real one strikes: in the forward (a pre-hook on the final norm, after every
+checkpointed layer has saved its input) or in the backward (a gradient hook on the first layer's weight,
+after the later layers have already accumulated this micro-batch's gradients). With gradient accumulation
+of 2 the error hits the second micro-batch of a step, so the first one's gradients are already there too.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from conftest import LAYERS, dataset, expected_bytes, model, training_args
+from transformers import Trainer, TrainerCallback
+
+from autooffload import AutoOffloadCallback, OffloadController, Rescue, Settings, attach
+
+LENGTHS = [64, 96, 128, 80, 112, 72]  # 3 steps of 2 micro-batches
+FAIL_AT = 4  # the 4th micro-batch: the second of step 1
+
+
+class Injector:
+    """Raises torch.OutOfMemoryError at the ``at``-th call of a forward pre-hook or a gradient hook, ``times``
+    times in a row; remembers the errors it raised and whether the failed forward's input was freed by the
+    next call."""
+
+    def __init__(self, at: int, times: int = 1) -> None:
+        self.at, self.times = at, times
+        self.calls = 0
+        self.errors: list[torch.OutOfMemoryError] = []
+        self.failed_input: weakref.ref | None = None
+        self.freed_at_retry: bool | None = None
+
+    def _maybe_raise(self) -> None:
+        self.calls += 1
+        if self.at <= self.calls < self.at + self.times:
+            self.errors.append(torch.OutOfMemoryError(f"injected at call {self.calls}"))
+            raise self.errors[-1]
+
+    def forward_hook(self, module, args):
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if self.failed_input is not None and self.freed_at_retry is None:
+            self.freed_at_retry = self.failed_input() is None
+        self.failed_input = weakref.ref(args[0]) if self.calls + 1 == self.at else self.failed_input
+        self._maybe_raise()
+
+    def gradient_hook(self, grad):
+        self._maybe_raise()
+
+    def install(self, net: torch.nn.Module, where: str) -> None:
+        if where == "forward":
+            net.model.norm.register_forward_pre_hook(self.forward_hook)
+        else:
+            net.model.layers[0].mlp.down_proj.weight.register_hook(self.gradient_hook)
+
+
+class StepBytes(TrainerCallback):
+    def __init__(self, callback: AutoOffloadCallback) -> None:
+        self.controller = callback.controller
+        self.moved: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.moved.append(self.controller.last_step_bytes)
+
+
+def run(tmp_path, injector: Injector | None, where: str = "forward", **callback_kwargs):
+    net = model()
+    if injector is not None:
+        injector.install(net, where)
+    args = training_args(tmp_path, len(LENGTHS) // 2, gradient_accumulation_steps=2)
+    from conftest import InOrderTrainer
+
+    trainer = InOrderTrainer(model=net, args=args, train_dataset=dataset(LENGTHS))
+    callback = attach(trainer, probe=None, **callback_kwargs)
+    recorder = StepBytes(callback)
+    trainer.add_callback(recorder)
+    trainer.train()
+    return trainer, net, callback, recorder.moved
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rescued_step_gives_the_losses_and_parameters_of_a_run_that_never_failed(tmp_path, where):
+    reference, reference_net, _, _ = run(tmp_path / "reference", None)
+    injector = Injector(at=FAIL_AT)
+    trainer, net, callback, moved = run(tmp_path / "rescued", injector, where)
+
+    assert len(injector.errors) == 1 and callback.controller.rescues == 1
+    assert losses(trainer) == losses(reference)
+    for (name, a), (_, b) in zip(net.named_parameters(), reference_net.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # The failed attempt ran plain; the rerun replayed both micro-batches of step 1 with every layer offloaded,
+    # and step 2 is plain again.
+    assert moved == [0, expected_bytes(128) + expected_bytes(80), 0]
+    assert trainer.state.log_history[1]["autooffload/rescues"] == 1.0
+    if where == "forward":
+        assert injector.freed_at_retry is True
+
+
+def test_a_second_failure_raises_the_original_error(tmp_path):
+    injector = Injector(at=FAIL_AT, times=10)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        run(tmp_path, injector, "backward")
+    assert raised.value is injector.errors[0] and len(injector.errors) == 2
+    if hasattr(raised.value, "__notes__"):
+        assert "ran out of memory too" in raised.value.__notes__[0]
+
+
+def test_rescue_off_raises_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOOFFLOAD_RESCUE", "0")
+    injector = Injector(at=FAIL_AT)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        run(tmp_path, injector, "forward")
+    assert raised.value is injector.errors[0] and injector.calls == FAIL_AT
+
+
+def test_attach_uses_the_trainer_callback_and_wraps_once(tmp_path):
+    from conftest import InOrderTrainer
+
+    callback = AutoOffloadCallback(probe=None)
+    args = training_args(tmp_path, 1)
+    trainer = InOrderTrainer(model=model(), args=args, train_dataset=dataset([64]), callbacks=[callback])
+    assert attach(trainer) is callback
+    wrapped = trainer.training_step
+    assert attach(trainer) is callback and trainer.training_step is wrapped
+    with pytest.raises(TypeError, match="already has an AutoOffloadCallback"):
+        attach(trainer, mode="on")
+
+
+def test_custom_loop_rescue_matches_a_loop_that_never_failed():
+    def loop(injector: Injector | None) -> tuple[torch.nn.Module, list[float], OffloadController]:
+        net = model()
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.train()
+        if injector is not None:
+            injector.install(net, "backward")
+        controller = OffloadController(Settings(), probe=None)
+        controller.attach(net)
+        rescue = Rescue(controller, net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        data = dataset(LENGTHS)
+        step_losses = []
+        for start in range(0, len(LENGTHS), 2):
+            batches = [data[i] for i in (start, start + 1)]
+
+            def forward_backward(batches=batches) -> float:
+                total = 0.0
+                for batch in batches:
+                    loss = net(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss / 2
+                    loss.backward()
+                    total += loss.item()
+                return total
+
+            step_losses.append(rescue.run(forward_backward))
+            optimizer.step()
+            optimizer.zero_grad()
+            controller.end_step()
+        return net, step_losses, controller
+
+    reference, reference_losses, _ = loop(None)
+    injector = Injector(at=2)  # the backward of step 0's second micro-batch
+    rescued, rescued_losses, controller = loop(injector)
+    assert len(injector.errors) == 1 and controller.rescues == 1
+    assert rescued_losses == reference_losses
+    for (name, a), (_, b) in zip(rescued.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert controller.stats.total_bytes == expected_bytes(64 + 96) and controller.level == 0
+    assert LAYERS == 4
