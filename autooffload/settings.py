@@ -31,6 +31,9 @@ class Settings:
     length reaches ``seq_high``; it turns off only when memory is below ``memory_low``, the sequence length is
     below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. Under torch.compile,
     at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
+    ``sync_ranks``: under torch.distributed with more than one rank, agree on one level per micro-batch (the
+    ranks' maximum) with one small collective, and gather the worst rank's memory at the end of training;
+    off means autooffload makes no collective at all (ranks that do not run the same model, e.g. pipeline stages).
     """
 
     mode: str = "auto"
@@ -41,6 +44,7 @@ class Settings:
     min_steps: int = 2
     compile_max_switches: int = 4
     engine: str = "sync"
+    sync_ranks: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -117,6 +121,10 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
             return int(text)
         except ValueError:
             raise SettingsError(f"{key}={raw!r} is not an integer") from None
+    if kind in (bool, "bool"):
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise SettingsError(f"{key}={raw!r} is not a boolean: expected 1 or 0 (true or false)")
     if kind in (float, "float"):
         try:
             return float(text)
@@ -124,6 +132,9 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
             raise SettingsError(f"{key}={raw!r} is not a number") from None
     return text.lower()
 
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 _ALLOWED = {
     "mode": ("one of " + ", ".join(MODES), lambda v: v in MODES),
@@ -134,13 +145,14 @@ _ALLOWED = {
     "seq_low": ("an integer >= 0", lambda v: v >= 0),
     "min_steps": ("an integer >= 0", lambda v: v >= 0),
     "compile_max_switches": ("an integer >= 0", lambda v: v >= 0),
+    "sync_ranks": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
 }
 
 
 def _check(name: str, value: Any, env_name: str) -> None:
     allowed, ok = _ALLOWED[name]
-    expected = {"mode": str, "engine": str}.get(name, float if name.startswith("memory") else int)
-    well_typed = isinstance(value, expected) and not isinstance(value, bool)
+    expected = {"mode": str, "engine": str, "sync_ranks": bool}.get(name, float if name.startswith("memory") else int)
+    well_typed = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if expected is float:
         well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not well_typed or not ok(value):
