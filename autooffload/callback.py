@@ -21,6 +21,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .controller import OffloadController, logger
+from .paths import deepspeed_config_warning
 from .policy import Policy
 from .probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
@@ -67,6 +68,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         min_steps: int | None = None,
         compile_max_switches: int | None = None,
         engine: str | None = None,
+        sync_ranks: bool | None = None,
         *,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
@@ -83,6 +85,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             engine=engine,
             policy=policy if isinstance(policy, str) else None,
             rescue=rescue,
+            sync_ranks=sync_ranks,
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}
@@ -118,6 +121,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             compiled = is_compiled(trainer.model_wrapped) or None
         if model is not None:
             self.controller.attach(model, compiled=compiled)
+        self._warn_deepspeed(trainer)
         self._wrap_log(trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -131,9 +135,17 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
                 state.log_history[-1].update(metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.controller.switch is not None and state.is_world_process_zero:
-            logger.info(self.controller.summary())
+        if self.controller.switch is not None:
+            summary = self.controller.finish()  # every rank: a collective under torch.distributed
+            if state.is_world_process_zero:
+                logger.info(summary)
         self.controller.detach()
+
+    def _warn_deepspeed(self, trainer: Trainer | None) -> None:
+        plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+        message = deepspeed_config_warning(getattr(plugin, "deepspeed_config", None))
+        if message is not None:
+            self.controller._warn("deepspeed-config", message)
 
     def _wrap_log(self, trainer: Trainer | None) -> None:
         self._log_wrapped = False

@@ -13,6 +13,7 @@ moved. The Trainer callback is a thin layer over these calls; a custom loop make
         optimizer.step()
         optimizer.zero_grad()
         controller.end_step()
+    print(controller.finish())  # on every rank: under torch.distributed it gathers the worst rank's memory
 
 Nothing here may stop a training run: a probe that fails, a policy that raises, a model with nothing
 checkpointed or inputs it cannot read each produce one :class:`AutoOffloadWarning` and a safe fallback.
@@ -27,7 +28,9 @@ from typing import Any
 import torch
 
 from .compile_guard import CompileBudget, is_compiled
+from .distributed import RankPeak, agree, worst_rank
 from .offload import OffloadStats
+from .paths import uncontrolled
 from .policy import Observation, Policy
 from .predictive import compile_levels, make_policy
 from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
@@ -124,6 +127,7 @@ class OffloadController:
         self._offloaded_this_step = False
         self._policy_failed = False
         self.level: int | None = None
+        self.worst_rank: RankPeak | None = None
         self._warned: set[str] = set()
 
     # ---- apply ---------------------------------------------------------------------------------------
@@ -132,12 +136,8 @@ class OffloadController:
         """Install the checkpoint functions and the pre-forward hook. False (with a warning) if nothing to do."""
         self.detach()
         targets, unknown = find_targets(model)
-        for name in unknown:
-            self._warn(
-                f"unknown:{name}",
-                f"the checkpoint function of {name} is not torch.utils.checkpoint.checkpoint; autooffload "
-                "leaves it as it is and does not control that module",
-            )
+        for key, message in uncontrolled(model, unknown):
+            self._warn(key, message)
         if not targets:
             self._warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
@@ -208,7 +208,7 @@ class OffloadController:
             return 0
         self._settle_budget()
         self.last_seq_len, self.last_tokens = seq_len, tokens
-        level = self._decide(seq_len, tokens)
+        level = agree(self, self._decide(seq_len, tokens))
         if level != self.switch.offloaded and self._micro_batches > 0:
             self.switches += 1
             logger.info(
@@ -359,10 +359,20 @@ class OffloadController:
         )
         if self.peak_memory_fraction is not None:
             text += f", peak memory {self.peak_memory_fraction:.2f} of device"
+        if self.worst_rank is not None:
+            worst = self.worst_rank
+            text += f", worst of {worst.world_size} ranks: rank {worst.rank} at {worst.fraction:.2f}"
         if self.compiled:
             text += f", compile: {self.budget.spent}/{self.settings.compile_max_switches} recompiling switch(es)"
             text += ", latched on" if self.latched else ""
         return text
+
+    def finish(self) -> str:
+        """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
+        gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
+        others'. Returns the summary."""
+        self.worst_rank = worst_rank(self.peak_memory_fraction, self.settings.sync_ranks)
+        return self.summary()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: enough for a resumed run to continue with the same offload level,

@@ -3,6 +3,8 @@
 A policy is pure: an :class:`Observation` in, a number of layers out. No torch, no clock, no I/O, so it can
 be driven with plain numbers in a test or a simulation, and a user can bring their own: any object with
 ``decide(observation) -> int`` and, to survive a checkpoint, ``state_dict()`` / ``load_state_dict()``.
+Under torch.distributed the ranks run the largest level any of them decided (distributed.py); a policy that
+keeps state can follow the group with ``agreed(observation, level)``, called when that level is not its own.
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ class HysteresisPolicy:
             if calm and dwelt:
                 self._switch(False, observation.step)
         return observation.layers if self.offloading else 0
+
+    def agreed(self, observation: Observation, level: int) -> None:
+        """The ranks run ``level`` for this observation, not what this policy decided: take it as this policy's
+        own switch, so every rank's dwell counts from the same step and their states stay alike."""
+        if (level > 0) != self.offloading:
+            self._switch(level > 0, observation.step)
 
     def _switch(self, offloading: bool, step: int) -> None:
         self.offloading = offloading

@@ -92,6 +92,14 @@ class PredictivePolicy:
         self._pending.append((observation.tokens, level, observation.bytes_per_layer or 0))
         return level
 
+    def agreed(self, observation: Observation, level: int) -> None:
+        """The ranks run ``level``, not what this policy decided (:mod:`autooffload.distributed`): learn from
+        the level that ran, and keep the fallback's dwell counting from the group's switch."""
+        if self._pending:
+            tokens, _, per_layer = self._pending[-1]
+            self._pending[-1] = (tokens, level, per_layer)
+        self.fallback.agreed(observation, level)
+
     @property
     def fitted(self) -> bool:
         """Two exact samples of different lengths: the slope is measured, not guessed."""

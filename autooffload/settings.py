@@ -37,6 +37,9 @@ class Settings:
     and the memory seen so far, offloading only the layers it needs; ``"hysteresis"`` is the all-or-nothing
     threshold policy described above. ``rescue``: rerun a step that ran out of device memory once, with every
     layer offloaded (only where :func:`autooffload.attach` or :class:`autooffload.rescue.Rescue` is in place).
+    ``sync_ranks``: under torch.distributed with more than one rank, agree on one level per micro-batch (the
+    ranks' maximum) with one small collective, and gather the worst rank's memory at the end of training;
+    off means autooffload makes no collective at all (ranks that do not run the same model, e.g. pipeline stages).
     """
 
     mode: str = "auto"
@@ -49,6 +52,7 @@ class Settings:
     engine: str = "sync"
     policy: str = "predictive"
     rescue: bool = True
+    sync_ranks: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -151,12 +155,13 @@ _ALLOWED = {
     "seq_low": ("an integer >= 0", lambda v: v >= 0),
     "min_steps": ("an integer >= 0", lambda v: v >= 0),
     "compile_max_switches": ("an integer >= 0", lambda v: v >= 0),
+    "sync_ranks": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
 }
 
 
 def _check(name: str, value: Any, env_name: str) -> None:
     allowed, ok = _ALLOWED[name]
-    expected = {"mode": str, "engine": str, "policy": str, "rescue": bool}.get(
+    expected = {"mode": str, "engine": str, "policy": str, "rescue": bool, "sync_ranks": bool}.get(
         name, float if name.startswith("memory") else int
     )
     well_typed = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))

@@ -79,11 +79,13 @@ def _transformers_major() -> int:
         return 5
 
 
-def find_targets(model: torch.nn.Module) -> tuple[list[CheckpointTarget], list[str]]:
-    """Checkpointed modules of ``model`` in module order, and the names of those it cannot control."""
+def find_targets(
+    model: torch.nn.Module,
+) -> tuple[list[CheckpointTarget], list[tuple[str, Callable[..., Any]]]]:
+    """Checkpointed modules of ``model`` in module order, and (name, function) of those it cannot control."""
     wrapper_type = _checkpoint_wrapper_type()
     found: list[CheckpointTarget] = []
-    unknown: list[str] = []
+    unknown: list[tuple[str, Callable[..., Any]]] = []
     for name, module in model.named_modules():
         if wrapper_type is not None and isinstance(module, wrapper_type):
             attribute = "checkpoint_fn"
@@ -97,7 +99,7 @@ def find_targets(model: torch.nn.Module) -> tuple[list[CheckpointTarget], list[s
         original = getattr(function, "_autooffload_original", function)
         kwargs = _torch_checkpoint_kwargs(function)
         if kwargs is None:
-            unknown.append(name or type(module).__name__)
+            unknown.append((name or type(module).__name__, function))
             continue
         found.append(CheckpointTarget(name, module, attribute, original, kwargs))
     for target in found:

@@ -1,0 +1,120 @@
+"""Many ranks: one offload level per micro-batch for the whole group, and the worst rank's memory at the end.
+
+Ranks see different micro-batches (one long, one short) and each reads its own device. Deciding alone, the
+rank with the short micro-batch keeps its saved inputs on the device while its neighbour offloads: under
+FSDP or ZeRO-3 the step is as slow as the slowest rank anyway, and under torch.compile the ranks would run
+different graphs and recompile at different steps. So before every training micro-batch's forward the ranks
+agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of a one-element tensor.
+
+What a policy sees: ``decide`` gets this rank's own observation (its sequence length, its memory reading).
+When the group's level differs from what it decided, it is told through an optional method
+``agreed(observation, level)``, so that a stateful policy counts its dwell from the same switch as every
+other rank (``HysteresisPolicy`` takes the group's level as its own state). A policy without the method keeps
+its own state, and the group's level is still the maximum of the ranks' decisions.
+
+Cost: one collective per training micro-batch. With a backend that carries CPU tensors (gloo, or
+``"cpu:gloo,cuda:nccl"``) the tensor stays on the host. With NCCL it lives on the local CUDA device, and
+reading the result waits for the work already queued on that device: a host-device synchronisation before
+every forward (measure it with ``benchmarks/rank_agreement.py`` and ``benchmarks/multi_gpu_smoke.py``).
+
+Every rank must make the same calls: autooffload makes one per training-mode forward under grad of the
+attached model, and none in ``mode="on"``/``"off"`` (the level is fixed by the settings, alike on every rank).
+Data-parallel training (DDP, FSDP, ZeRO) runs the same forwards on every rank; ranks that run different models
+(pipeline stages) or different numbers of micro-batches must turn it off: ``AUTOOFFLOAD_SYNC_RANKS=0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from .policy import Observation
+
+if TYPE_CHECKING:
+    from .controller import OffloadController
+
+
+def world_size() -> int:
+    """Ranks in the default process group; 1 when torch.distributed is absent or not initialised."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size()
+
+
+def collective_device() -> torch.device:
+    """Where a small tensor must live for the default group's backend: the host where the backend takes CPU
+    tensors (gloo, mpi, a ``cpu:`` entry), else the current device of the accelerator (NCCL: CUDA)."""
+    backend = str(torch.distributed.get_backend()).lower()
+    if any(name in backend for name in ("gloo", "mpi", "cpu:")):
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = getattr(torch, "accelerator", None)
+    kind = accelerator.current_accelerator() if accelerator is not None else None
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind.type, accelerator.current_device_index())
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest ``value`` over all ranks (a collective: every rank must call it)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def agree(controller: OffloadController, level: int) -> int:
+    """The level every rank runs for this micro-batch: the ranks' maximum, when there is a group to ask."""
+    settings = controller.settings
+    if not settings.sync_ranks or settings.mode != "auto" or world_size() < 2:
+        return level
+    agreed = all_reduce_max(level)
+    if agreed != level:
+        _tell_policy(controller, agreed)
+    return agreed
+
+
+def _tell_policy(controller: OffloadController, level: int) -> None:
+    agreed = getattr(controller.policy, "agreed", None)
+    if agreed is None or controller.switch is None:
+        return
+    observation = Observation(
+        controller.step,
+        controller.last_seq_len,
+        controller.last_tokens,
+        controller.memory_fraction,
+        len(controller.switch.layers),
+    )
+    try:
+        agreed(observation, level)
+    except Exception as error:  # a user's policy must not end the run
+        controller._warn(
+            "policy-agreed",
+            f"policy {type(controller.policy).__name__}.agreed raised {error!r}; its state may differ from the "
+            "level the ranks agreed on",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPeak:
+    """The highest peak memory fraction any rank read during training, and which rank read it."""
+
+    fraction: float
+    rank: int
+    world_size: int
+
+
+def worst_rank(fraction: float | None, enabled: bool = True) -> RankPeak | None:
+    """Gather every rank's peak memory fraction (a collective) and return the worst; None when not distributed,
+    not ``enabled``, or no rank had a reading."""
+    size = world_size()
+    if not enabled or size < 2:
+        return None
+    mine = torch.tensor([-1.0 if fraction is None else fraction], dtype=torch.float64, device=collective_device())
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    torch.distributed.all_gather(gathered, mine)
+    readings = [float(value.item()) for value in gathered]
+    rank = max(range(size), key=readings.__getitem__)
+    return None if readings[rank] < 0 else RankPeak(readings[rank], rank, size)
