@@ -121,7 +121,7 @@ class OffloadController:
         if not targets:
             self._warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.switch = CheckpointSwitch(targets, self.stats)
+        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine)
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.probe = self._make_probe(_model_device(model))
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
