@@ -14,9 +14,12 @@ A race here corrupts gradients silently, so each one is named with the rule that
   read *before* entering the copy-stream context; read inside it, ``current_stream()`` is the copy stream
   and the event would order nothing.
 - **Freed while being copied.** Dropping the device tensor returns its block to the caching allocator,
-  which hands it to the next kernel on the compute stream while the copy may still read it. The region
-  holds the tensor until it exits; there the compute stream waits on the copy's event and only then is
-  the reference dropped, so every later reuse of the block is ordered after the copy.
+  which hands it to the next kernel on the compute stream while the copy may still read it. The engine
+  holds the tensor until the *next* layer call exits (or the backward begins); then the compute stream
+  waits on the copy's event and only then is the reference dropped, so every later reuse of the block is
+  ordered after the copy. Holding it one layer longer lets the copy overlap that next layer too, which
+  is all the overlap reentrant checkpointing allows (it saves its inputs after the layer has run); the
+  cost is one layer input more on the device during the forward.
 - **Used before it arrived.** Unpack makes the compute stream wait on the host-to-device copy's event
   before it returns the tensor, whether the copy was prefetched or started just now.
 - **A destination still in use.** The host-to-device destination is allocated on the compute stream
@@ -35,7 +38,9 @@ view of a large storage moves with it: kept, it would keep the whole storage on 
 parameters, registered buffers and other leaves that require grad (something else holds them, offloading
 would free nothing), tensor subclasses and non-strided tensors. :class:`~autooffload.offload.OffloadStats`
 counts the bytes actually copied to the host: with every layer offloading, that is one layer's input less
-than the ``sync`` engine counts.
+than the ``sync`` engine counts. When only the first k layers offload, layer k-1's input is copied but held
+on the device until the backward begins (no later layer call lets go of it). Either way, at the end of the
+forward the stream engine holds one layer input more on the device than ``sync``.
 
 Host memory is a third budget (:class:`HostPool`): pinned buffers are reused across steps, new ones are
 taken only while the host keeps ``min_free`` of its memory free; if pinning fails the engine continues with
@@ -223,12 +228,12 @@ class HostPool:
 class _Region:
     """One call of a checkpointed layer: its host copies, and a weak link to the region before it."""
 
-    __slots__ = ("__weakref__", "copies", "in_flight", "previous", "unpacked")
+    __slots__ = ("__weakref__", "copies", "previous", "serial", "unpacked")
 
-    def __init__(self, previous: _Region | None) -> None:
+    def __init__(self, previous: _Region | None, serial: int) -> None:
         self.previous = weakref.ref(previous) if previous is not None else None
+        self.serial = serial
         self.copies: dict[tuple, _HostCopy] = {}
-        self.in_flight: list[tuple[torch.Tensor, Any, Any]] = []
         self.unpacked = False
 
 
@@ -333,6 +338,8 @@ class StreamEngine:
         }
         self._last: weakref.ref | None = None
         self._unpacking: weakref.ref | None = None
+        self._serial = 0
+        self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
 
     def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks for one call of a checkpointed layer; ``last``: the layer whose input stays on the device."""
@@ -340,14 +347,23 @@ class StreamEngine:
 
     def _open_region(self) -> _Region:
         previous = self._last() if self._last is not None else None
-        region = _Region(previous if previous is not None and not previous.unpacked else None)
+        self._serial += 1
+        region = _Region(previous if previous is not None and not previous.unpacked else None, self._serial)
         self._last = weakref.ref(region)
         return region
 
     def _close_region(self, region: _Region) -> None:
-        for _source, compute, done in region.in_flight:
-            self.streams.wait(compute, done)
-        region.in_flight.clear()
+        self._retire(before=region.serial)
+
+    def _retire(self, before: int) -> None:
+        """Let go of the device tensors copied in regions before ``before``, once the compute stream waits."""
+        keep = []
+        for serial, source, compute, done in self._in_flight:
+            if serial < before:
+                self.streams.wait(compute, done)
+            else:
+                keep.append((serial, source, compute, done))
+        self._in_flight = keep
 
     def offloadable(self, tensor: torch.Tensor) -> bool:
         return (
@@ -387,28 +403,32 @@ class StreamEngine:
             self.streams.wait(copier, produced)
             self.streams.copy(lease[0][:nbytes], source)
             done = self.streams.record(copier)
-        region.in_flight.append((source, compute, done))
+        self._in_flight.append((region.serial, source, compute, done))
         self.stats.add(nbytes)
         return _HostCopy(self, lease, nbytes, device)
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
         region = packed.region
+        first = not region.unpacked
+        if first:
+            self._begin_backward(region)
         if packed.copy is not None:
             packed.copy.fetch()
-        if not region.unpacked:
-            self._begin_backward(region)
+        if first:
+            previous = region.previous() if region.previous is not None else None
+            for copy in previous.copies.values() if previous is not None else ():
+                copy.fetch()
         if packed.copy is None:
             return packed.tensor
         return packed.copy.unpack(packed.layout)
 
     def _begin_backward(self, region: _Region) -> None:
-        """Layer i's recompute begins: start fetching layer i-1's input, and let go of layer i+1's, whose
-        storages were held only so that several saves of one storage come back as one."""
+        """Layer i's recompute begins (its input is fetched next, then layer i-1's). Let go of what the
+        forward still held, and of layer i+1's restored storages, held only so that several saves of one
+        storage come back as one."""
         region.unpacked = True
+        self._retire(before=self._serial + 1)
         done = self._unpacking() if self._unpacking is not None else None
         for copy in done.copies.values() if done is not None else ():
             copy.resident = None
         self._unpacking = weakref.ref(region)
-        previous = region.previous() if region.previous is not None else None
-        for copy in previous.copies.values() if previous is not None else ():
-            copy.fetch()

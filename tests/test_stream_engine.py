@@ -292,9 +292,10 @@ def test_every_unpack_waits_on_its_host_to_device_event(recorded):
 def test_prefetch_of_the_layer_before_starts_when_a_layer_recompute_starts(recorded):
     _, _, recorder, steps = recorded
     for forward, backward, end in steps:
-        inputs = {e[2]: e[1] for e in recorder.log[forward:backward] if e[0] == "input"}
-        d2h = [c for c in recorder.copies("d2h") if forward <= c < backward]
-        host = {recorder.log[c][3]: inputs[recorder.log[c][4]] for c in d2h}
+        host = {}  # host buffer -> the layer whose input went there, which was produced last at that address
+        for c in (c for c in recorder.copies("d2h") if forward <= c < backward):
+            _, _, _, buffer, source = recorder.log[c]
+            host[buffer] = next(e[1] for e in reversed(recorder.log[:c]) if e[0] == "produced" and e[2] == source)
         fetched = {host[recorder.log[c][4]]: c for c in recorder.copies("h2d") if backward <= c < end}
         recompute = {e[1]: i for i, e in enumerate(recorder.log[backward:end], backward) if e[0] == "recompute"}
         assert sorted(fetched) == list(range(LAYERS - 1))
@@ -307,6 +308,21 @@ def test_pinned_pool_is_reused_across_steps(recorded):
     assert engine.pool.allocations == LAYERS - 1
     used = [{recorder.log[c][3] for c in recorder.copies("d2h") if forward <= c < end} for forward, _, end in steps]
     assert used[0] == used[1] == used[2] and len(used[0]) == LAYERS - 1
+
+
+def test_partial_offload_lets_go_of_the_last_offloaded_input_when_the_backward_begins(plain_run):
+    net = enable_checkpointing(model())
+    engine, recorder = recording_engine()
+    switch_with(net, engine).apply(2)
+    run = train_steps(net, 3, on_step=recorder.mark)
+    assert_identical(run, plain_run)
+    for backward in (i for i, e in enumerate(recorder.log) if e == ("backward",)):
+        copies = [c for c in recorder.copies("d2h") if c < backward][-2:]
+        first_h2d = next(c for c in recorder.copies("h2d") if c > backward)
+        for c in copies:
+            done_at, done = recorder.done_event(c)
+            waited = recorder.index(("wait", "compute", done), done_at)
+            assert waited < recorder.index(("freed", recorder.log[c][4]), c) < first_h2d
 
 
 # ---- the pieces, one at a time ------------------------------------------------------------------------
