@@ -67,8 +67,6 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 class SyncEngine:
     """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too."""
 
-    name = "sync"
-
     def __init__(self, stats: OffloadStats) -> None:
         self.stats = stats
 

@@ -318,8 +318,6 @@ class StreamEngine:
     registered buffers are never offloaded (parameters never are, whatever their module).
     """
 
-    name = "stream"
-
     def __init__(
         self,
         stats: OffloadStats,
@@ -366,6 +364,7 @@ class StreamEngine:
         self._in_flight = keep
 
     def offloadable(self, tensor: torch.Tensor) -> bool:
+        """Worth moving: a plain dense tensor that only the autograd graph will hold, and not a tiny one."""
         return (
             type(tensor) is torch.Tensor
             and tensor.layout == torch.strided
