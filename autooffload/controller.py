@@ -141,7 +141,7 @@ class OffloadController:
         if not targets:
             self._warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.switch = CheckpointSwitch(targets, self.stats)
+        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine)
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
         self.probe = self._make_probe(_model_device(model))

@@ -67,3 +67,13 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             return host.to(device, non_blocking=host.is_pinned())
 
         super().__init__(pack, unpack)
+
+
+class SyncEngine:
+    """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too."""
+
+    def __init__(self, stats: OffloadStats) -> None:
+        self.stats = stats
+
+    def hooks(self, last: bool) -> HostOffloadHooks:
+        return HostOffloadHooks(self.stats)

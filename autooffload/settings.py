@@ -15,7 +15,7 @@ from typing import Any
 
 ENV_PREFIX = "AUTOOFFLOAD_"
 MODES = ("auto", "on", "off")
-ENGINES = ("sync",)
+ENGINES = ("sync", "stream")
 POLICIES = ("predictive", "hysteresis")
 
 
@@ -32,6 +32,8 @@ class Settings:
     length reaches ``seq_high``; it turns off only when memory is below ``memory_low``, the sequence length is
     below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. Under torch.compile,
     at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
+    ``engine``: ``"sync"`` copies on the compute stream; ``"stream"`` overlaps the copies with compute
+    (:mod:`autooffload.stream_engine`).
 
     ``policy`` picks who decides in ``auto`` mode: ``"predictive"`` plans each micro-batch from its token count
     and the memory seen so far, offloading only the layers it needs; ``"hysteresis"`` is the all-or-nothing

@@ -10,7 +10,8 @@ Two kinds of module run torch's checkpoint on their own forward:
 
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
-under :class:`~autooffload.offload.HostOffloadHooks`. They are closures, not partials, on purpose:
+under the saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.offload.HostOffloadHooks`;
+``stream``: :mod:`~autooffload.stream_engine`). They are closures, not partials, on purpose:
 torch.compile guards a called function by its code object, so swapping between two closures is seen
 (one recompile per variant, then cached), while a swap between two ``functools.partial`` objects is not
 guarded at all and would silently keep running the first one.
@@ -21,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .offload import HostOffloadHooks, OffloadStats
+from .offload import OffloadStats, SyncEngine
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
 
@@ -115,9 +116,25 @@ def _plain_function(kwargs: dict[str, Any]) -> Callable[..., Any]:
     return checkpoint_plain
 
 
-def _offload_function(kwargs: dict[str, Any], stats: OffloadStats) -> Callable[..., Any]:
+class OffloadEngine(Protocol):
+    """Makes the saved-tensor hooks for one call of a checkpointed layer (``last``: the model's last one)."""
+
+    def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks: ...
+
+
+def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
+    if name == "sync":
+        return SyncEngine(stats)
+    if name == "stream":
+        from .stream_engine import StreamEngine
+
+        return StreamEngine(stats, modules=modules)
+    raise ValueError(f"unknown offload engine {name!r}")
+
+
+def _offload_function(kwargs: dict[str, Any], engine: OffloadEngine, last: bool) -> Callable[..., Any]:
     def checkpoint_offload(function, *args, **call_kwargs):
-        with HostOffloadHooks(stats):
+        with engine.hooks(last):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload
@@ -128,15 +145,20 @@ class CheckpointSwitch:
 
     ``apply(k)`` makes the first ``k`` layers (in module order: their inputs are saved earliest and live
     longest) offload and the others not; container targets (a model that holds checkpointed layers)
-    offload whenever any layer does.
+    offload whenever any layer does. ``engine``: ``"sync"``, ``"stream"`` or an :class:`OffloadEngine`.
     """
 
-    def __init__(self, targets: list[CheckpointTarget], stats: OffloadStats) -> None:
+    def __init__(
+        self, targets: list[CheckpointTarget], stats: OffloadStats, engine: str | OffloadEngine = "sync"
+    ) -> None:
         self.targets = targets
         self.layers = [t for t in targets if t.is_layer]
+        modules = [t.module for t in targets]
+        self.engine = make_engine(engine, stats, modules) if isinstance(engine, str) else engine
         self._functions = {}
         for target in targets:
-            plain, offload = _plain_function(target.kwargs), _offload_function(target.kwargs, stats)
+            last = bool(self.layers) and target is self.layers[-1]
+            plain, offload = _plain_function(target.kwargs), _offload_function(target.kwargs, self.engine, last)
             for function in (plain, offload):
                 function._autooffload_original = target.original
                 function._autooffload_kwargs = target.kwargs

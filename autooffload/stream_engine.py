@@ -1,0 +1,433 @@
+"""The overlapped offload engine (``engine="stream"``): copies on their own stream, prefetch in backward.
+
+``save_on_cpu`` copies on the compute stream, so the compute stream stalls for every copy. Here each
+checkpointed layer is a *region*: the pack hook starts the device-to-host copy of the layer's saved input
+on a copy stream and returns at once; in the backward, when layer i's recompute unpacks its input, the
+host-to-device copy of layer i-1's input starts on the copy stream, so that it has arrived when needed.
+The compute stream waits on events; the host never waits on the device.
+
+A race here corrupts gradients silently, so each one is named with the rule that prevents it:
+
+- **Copy before the data exists.** The host runs ahead of the device: when the pack hook runs, the kernel
+  that writes the tensor may not have executed. The pack hook records an event on the compute stream (it
+  is enqueued after the producer) and the copy stream waits on it before copying. The compute stream is
+  read *before* entering the copy-stream context; read inside it, ``current_stream()`` is the copy stream
+  and the event would order nothing.
+- **Freed while being copied.** Dropping the device tensor returns its block to the caching allocator,
+  which hands it to the next kernel on the compute stream while the copy may still read it. The engine
+  holds the tensor until the *next* layer call exits (or the backward begins); then the compute stream
+  waits on the copy's event and only then is the reference dropped, so every later reuse of the block is
+  ordered after the copy. Holding it one layer longer lets the copy overlap that next layer too, which
+  is all the overlap reentrant checkpointing allows (it saves its inputs after the layer has run); the
+  cost is one layer input more on the device during the forward.
+- **Used before it arrived.** Unpack makes the compute stream wait on the host-to-device copy's event
+  before it returns the tensor, whether the copy was prefetched or started just now.
+- **A destination still in use.** The host-to-device destination is allocated on the compute stream
+  (outside the copy context) and the copy stream waits on an event recorded after that allocation, so the
+  copy cannot overwrite a block whose previous compute-stream users have not run yet. Its later users are
+  all on the compute stream, after the wait. A prefetched copy that is never unpacked is dropped only
+  after the compute stream waited on it.
+- **A host buffer overwritten.** Both directions use one copy stream per device and buffers are pooled
+  per device, so a buffer handed out again is written only after every earlier copy from it ran. The host
+  never reads or writes the buffers.
+
+What moves is the tensor's storage, once per region even if several saves share it (views come back as
+views of one restored storage). Left on the device: the input of the last checkpointed layer (its backward
+starts right after the forward, so a copy would come straight back), storages below ``min_bytes`` (a small
+view of a large storage moves with it: kept, it would keep the whole storage on the device),
+parameters, registered buffers and other leaves that require grad (something else holds them, offloading
+would free nothing), tensor subclasses and non-strided tensors. :class:`~autooffload.offload.OffloadStats`
+counts the bytes actually copied to the host: with every layer offloading, that is one layer's input less
+than the ``sync`` engine counts. When only the first k layers offload, layer k-1's input is copied but held
+on the device until the backward begins (no later layer call lets go of it). Either way, at the end of the
+forward the stream engine holds one layer input more on the device than ``sync``.
+
+Host memory is a third budget (:class:`HostPool`): pinned buffers are reused across steps, new ones are
+taken only while the host keeps ``min_free`` of its memory free; if pinning fails the engine continues with
+pageable memory, and if the host is short the tensor stays on the device, each with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .controller import AutoOffloadWarning
+from .offload import OffloadStats, _pinned_allocator_available
+
+MIN_BYTES = 1024
+MIN_FREE = 0.10
+IDLE_CYCLES = 4
+
+
+class Streams:
+    """Streams, events and copies for the engine; every other module reaches the device through this.
+
+    Devices without streams (CPU) get ``None`` for streams and events, and plain copies. Tests replace the
+    whole object with a recording stand-in.
+    """
+
+    def __init__(self) -> None:
+        self._copy_streams: dict[torch.device, Any] = {}
+
+    def current(self, device: torch.device) -> Any:
+        module = _stream_module(device)
+        return None if module is None else module.current_stream(device)
+
+    def copy_stream(self, device: torch.device) -> Any:
+        module = _stream_module(device)
+        if module is None:
+            return None
+        if device not in self._copy_streams:
+            self._copy_streams[device] = module.Stream(device)
+        return self._copy_streams[device]
+
+    def record(self, stream: Any) -> Any:
+        return None if stream is None else stream.record_event()
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def using(self, stream: Any) -> contextlib.AbstractContextManager:
+        if stream is None:
+            return contextlib.nullcontext()
+        return _stream_module(stream.device).stream(stream)
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        destination.copy_(source, non_blocking=destination.is_pinned() or source.is_pinned())
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _stream_module(device: torch.device) -> Any:
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    needed = ("Stream", "current_stream", "stream")
+    return module if all(hasattr(module, name) for name in needed) else None
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory, from psutil, or /proc/meminfo where psutil is missing."""
+    try:
+        import psutil
+    except ImportError:
+        with open("/proc/meminfo") as meminfo:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
+        return fields["MemAvailable"], fields["MemTotal"]
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
+
+
+def size_class(nbytes: int) -> int:
+    """The power of two torch's pinned allocator rounds ``nbytes`` up to: what a pinned buffer really takes."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+class HostPool:
+    """Host buffers keyed by device, pinned or not, and size class, handed out again across steps.
+
+    A buffer is allocated only on a miss, so the pool grows to what a step needs at once; a size class
+    left unused for ``IDLE_CYCLES`` cycles (a cycle ends when every buffer is back) is dropped. Before an
+    allocation the host must keep ``min_free`` of its memory free after it, counting the rounded size;
+    otherwise ``take`` returns None and the caller keeps the tensor on the device.
+    """
+
+    def __init__(
+        self,
+        *,
+        allocate: Callable[[int, bool], torch.Tensor] | None = None,
+        memory: Callable[[], tuple[int, int]] = host_memory,
+        min_free: float = MIN_FREE,
+        pin: bool | None = None,
+    ) -> None:
+        self.allocate = allocate or (lambda nbytes, pin: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+        self.memory = memory
+        self.min_free = min_free
+        self.pin = _pinned_allocator_available() if pin is None else pin
+        self.allocations = 0
+        self.held_bytes = 0
+        self._free: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+        self._in_use = 0
+        self._cycle = 0
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def take(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, tuple] | None:
+        """A host buffer of at least ``nbytes`` for a tensor on ``device`` and its key for :meth:`give`;
+        None if the host is short."""
+        key = (device, self.pin and device.type != "cpu", size_class(nbytes))
+        with self._lock:
+            if self._in_use == 0:
+                self._next_cycle()
+            free = self._free.get(key)
+            if free:
+                self._in_use += 1
+                return free.pop()[0], key
+        lease = self._allocate(key)
+        if lease is not None:
+            with self._lock:
+                self._in_use += 1
+        return lease
+
+    def give(self, buffer: torch.Tensor, key: tuple) -> None:
+        """Return a buffer. Only copies on its device's copy stream touch it again, so they are ordered."""
+        with self._lock:
+            self._in_use -= 1
+            self._free.setdefault(key, []).append((buffer, self._cycle))
+
+    def _next_cycle(self) -> None:
+        self._cycle += 1
+        for key, free in self._free.items():
+            kept = [(buffer, cycle) for buffer, cycle in free if self._cycle - cycle <= IDLE_CYCLES]
+            self.held_bytes -= key[2] * (len(free) - len(kept))
+            self._free[key] = kept
+
+    def _allocate(self, key: tuple) -> tuple[torch.Tensor, tuple] | None:
+        device, pin, nbytes = key
+        available, total = self.memory()
+        if available - nbytes < self.min_free * total:
+            self._warn(
+                "host-short",
+                f"host memory is short ({available / 2**30:.1f} GiB available of {total / 2**30:.1f} GiB, "
+                f"{self.min_free:.0%} is kept free); saved inputs that do not fit in the host buffers already "
+                "held stay on the device",
+            )
+            return None
+        try:
+            buffer = self.allocate(nbytes, pin)
+        except RuntimeError as error:
+            if not pin:
+                self._warn("host-failed", f"a host buffer could not be allocated ({error}); inputs stay on the device")
+                return None
+            self.pin = False
+            self._warn(
+                "pin-failed",
+                f"pinned host memory could not be allocated ({error}); offload continues with pageable "
+                "memory, whose copies do not overlap compute (slower, still correct)",
+            )
+            return self._allocate((device, False, nbytes))
+        self.allocations += 1
+        self.held_bytes += nbytes
+        return buffer, key
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"autooffload: {message}", AutoOffloadWarning, stacklevel=4)
+
+
+class _Region:
+    """One call of a checkpointed layer: its host copies, and a weak link to the region before it."""
+
+    __slots__ = ("__weakref__", "copies", "previous", "serial", "unpacked")
+
+    def __init__(self, previous: _Region | None, serial: int) -> None:
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.serial = serial
+        self.copies: dict[tuple, _HostCopy] = {}
+        self.unpacked = False
+
+
+class _HostCopy:
+    """One storage in a host buffer, and its way back: a pending prefetch or the tensor already handed out."""
+
+    def __init__(
+        self, engine: StreamEngine, lease: tuple[torch.Tensor, tuple], nbytes: int, device: torch.device
+    ) -> None:
+        self.engine = engine
+        self.buffer, self.key = lease
+        self.nbytes = nbytes
+        self.device = device
+        self.pending: tuple[torch.Tensor, Any, Any] | None = None
+        self.ready: Any = None
+        self.resident: torch.UntypedStorage | None = None
+
+    def fetch(self) -> None:
+        """Start the host-to-device copy unless it is already on its way or on the device."""
+        if self.pending is not None or self.resident is not None:
+            return
+        streams = self.engine.streams
+        compute = streams.current(self.device)
+        target = streams.empty(self.nbytes, self.device)
+        allocated = streams.record(compute)
+        copier = streams.copy_stream(self.device)
+        with streams.using(copier):
+            streams.wait(copier, allocated)
+            streams.copy(target, self.buffer[: self.nbytes])
+            ready = streams.record(copier)
+        self.pending = (target, ready, compute)
+
+    def unpack(self, layout: tuple) -> torch.Tensor:
+        """The saved tensor on the device; the compute stream waits for its copy, the host does not."""
+        if self.resident is None:
+            self.fetch()
+            assert self.pending is not None
+            target, self.ready, _ = self.pending
+            self.pending = None
+            self.resident = target.untyped_storage()
+        streams = self.engine.streams
+        streams.wait(streams.current(self.device), self.ready)
+        dtype, size, stride, offset = layout
+        return torch.empty(0, dtype=dtype, device=self.device).set_(self.resident, offset, size, stride)
+
+    def __del__(self) -> None:
+        if self.pending is not None:
+            _target, ready, compute = self.pending
+            self.engine.streams.wait(compute, ready)
+        self.engine.pool.give(self.buffer, self.key)
+
+
+class _Packed:
+    __slots__ = ("copy", "layout", "region", "tensor")
+
+    def __init__(
+        self,
+        region: _Region,
+        tensor: torch.Tensor | None = None,
+        copy: _HostCopy | None = None,
+        layout: tuple | None = None,
+    ) -> None:
+        self.region, self.tensor, self.copy, self.layout = region, tensor, copy, layout
+
+
+class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, engine: StreamEngine, keep: bool) -> None:
+        self.engine = engine
+        self.region = engine._open_region()
+        region = self.region
+        super().__init__(lambda tensor: engine._pack(tensor, region, keep), engine._unpack)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)
+        self.engine._close_region(self.region)
+
+
+class StreamEngine:
+    """Saved-tensor hooks per checkpointed layer that overlap offload copies with compute (module docs).
+
+    ``streams`` and ``pool`` are the device and host sides (replaceable in tests); ``modules``: whose
+    registered buffers are never offloaded (parameters never are, whatever their module).
+    """
+
+    def __init__(
+        self,
+        stats: OffloadStats,
+        *,
+        streams: Streams | None = None,
+        pool: HostPool | None = None,
+        min_bytes: int = MIN_BYTES,
+        modules: Iterable[torch.nn.Module] = (),
+    ) -> None:
+        self.stats = stats
+        self.streams = streams if streams is not None else Streams()
+        self.pool = pool if pool is not None else HostPool()
+        self.min_bytes = min_bytes
+        self.buffers = {
+            (buffer.device, buffer.untyped_storage().data_ptr()) for module in modules for buffer in module.buffers()
+        }
+        self._last: weakref.ref | None = None
+        self._unpacking: weakref.ref | None = None
+        self._serial = 0
+        self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
+
+    def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks for one call of a checkpointed layer; ``last``: the layer whose input stays on the device."""
+        return _RegionHooks(self, keep=last)
+
+    def _open_region(self) -> _Region:
+        previous = self._last() if self._last is not None else None
+        self._serial += 1
+        region = _Region(previous if previous is not None and not previous.unpacked else None, self._serial)
+        self._last = weakref.ref(region)
+        return region
+
+    def _close_region(self, region: _Region) -> None:
+        self._retire(before=region.serial)
+
+    def _retire(self, before: int) -> None:
+        """Let go of the device tensors copied in regions before ``before``, once the compute stream waits."""
+        keep = []
+        for serial, source, compute, done in self._in_flight:
+            if serial < before:
+                self.streams.wait(compute, done)
+            else:
+                keep.append((serial, source, compute, done))
+        self._in_flight = keep
+
+    def offloadable(self, tensor: torch.Tensor) -> bool:
+        """Worth moving: a plain dense tensor that only the autograd graph will hold, and not a tiny one."""
+        return (
+            type(tensor) is torch.Tensor
+            and tensor.layout == torch.strided
+            and not (tensor.is_leaf and tensor.requires_grad)
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+            and tensor.untyped_storage().nbytes() >= self.min_bytes
+            and (tensor.device, tensor.untyped_storage().data_ptr()) not in self.buffers
+        )
+
+    def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:
+        if keep or not self.offloadable(tensor):
+            return _Packed(region, tensor=tensor)
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor._version)
+        copy = region.copies.get(key)
+        if copy is None:
+            copy = self._offload(tensor, region)
+            if copy is None:
+                return _Packed(region, tensor=tensor)
+            region.copies[key] = copy
+        layout = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return _Packed(region, copy=copy, layout=layout)
+
+    def _offload(self, tensor: torch.Tensor, region: _Region) -> _HostCopy | None:
+        device, storage = tensor.device, tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        lease = self.pool.take(nbytes, device)
+        if lease is None:
+            return None
+        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        compute = self.streams.current(device)
+        produced = self.streams.record(compute)
+        copier = self.streams.copy_stream(device)
+        with self.streams.using(copier):
+            self.streams.wait(copier, produced)
+            self.streams.copy(lease[0][:nbytes], source)
+            done = self.streams.record(copier)
+        self._in_flight.append((region.serial, source, compute, done))
+        self.stats.add(nbytes)
+        return _HostCopy(self, lease, nbytes, device)
+
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        region = packed.region
+        first = not region.unpacked
+        if first:
+            self._begin_backward(region)
+        if packed.copy is not None:
+            packed.copy.fetch()
+        if first:
+            previous = region.previous() if region.previous is not None else None
+            for copy in previous.copies.values() if previous is not None else ():
+                copy.fetch()
+        if packed.copy is None:
+            return packed.tensor
+        return packed.copy.unpack(packed.layout)
+
+    def _begin_backward(self, region: _Region) -> None:
+        """Layer i's recompute begins (its input is fetched next, then layer i-1's). Let go of what the
+        forward still held, and of layer i+1's restored storages, held only so that several saves of one
+        storage come back as one."""
+        region.unpacked = True
+        self._retire(before=self._serial + 1)
+        done = self._unpacking() if self._unpacking is not None else None
+        for copy in done.copies.values() if done is not None else ():
+            copy.resident = None
+        self._unpacking = weakref.ref(region)
