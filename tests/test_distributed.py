@@ -82,10 +82,12 @@ def test_without_a_process_group_no_collective_is_made(monkeypatch):
     assert controller.finish().endswith("0.0 MiB moved to host") and controller.worst_rank is None
 
 
-def test_the_group_level_runs_and_the_policy_follows_it(monkeypatch):
+@pytest.mark.parametrize("name", ["hysteresis", "predictive"])
+def test_the_group_level_runs_and_the_policy_follows_it(monkeypatch, name):
     sent = fake_group(monkeypatch, group_level=LAYERS)
-    controller = attached(Settings(seq_high=200, seq_low=100, min_steps=2))
-    policy = controller.policy
+    controller = attached(Settings(seq_high=200, seq_low=100, min_steps=2, policy=name))
+    # Without memory readings the predictive policy decides through its hysteresis fallback.
+    policy = controller.policy if name == "hysteresis" else controller.policy.fallback
     assert isinstance(policy, HysteresisPolicy)
 
     assert controller.before_forward(64, 64) == LAYERS  # this rank said 0, the other rank said all
