@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.train()
 
-    print(f"\n{'step':>4} {'seq':>5} {'mode':>8} {'bytes offloaded':>16} {'offloaded layers x seq x hidden x 4':>36}  ok")
+    arithmetic = "offloaded layers x seq x hidden x 4"
+    print(f"\n{'step':>4} {'seq':>5} {'mode':>8} {'bytes offloaded':>16} {arithmetic:>36}  ok")
     for step, seq, mode, moved, expected in rows:
         print(f"{step:>4} {seq:>5} {mode:>8} {moved:>16,} {expected:>36,}  {'yes' if moved == expected else 'NO'}")
     print(controller.summary())
