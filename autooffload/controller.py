@@ -386,8 +386,17 @@ class OffloadController:
             "latched": self.latched,
             "budget_spent": self.budget.spent,
             "rescues": self.rescues,
-            "policy": self.policy.state_dict() if hasattr(self.policy, "state_dict") else None,
+            "policy": self._policy_state(),
         }
+
+    def _policy_state(self) -> dict[str, Any] | None:
+        if not hasattr(self.policy, "state_dict"):
+            return None
+        try:
+            return self.policy.state_dict()
+        except Exception as error:  # a user's policy must not stop a checkpoint save
+            self._warn("policy-save", f"policy {type(self.policy).__name__}.state_dict() raised {error!r}; not saved")
+            return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -403,7 +412,7 @@ class OffloadController:
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
             try:
                 self.policy.load_state_dict(state["policy"])
-            except (KeyError, TypeError, ValueError) as error:  # saved by another policy (AUTOOFFLOAD_POLICY changed)
+            except Exception as error:  # saved by another policy (AUTOOFFLOAD_POLICY changed), or a user's policy
                 self._warn(
                     "policy-state",
                     f"the saved policy state does not fit {type(self.policy).__name__} ({error!r}); it starts afresh",

@@ -76,3 +76,22 @@ def test_inputs_embeds_count_as_tokens():
     controller.end_step()
     assert (controller.last_seq_len, controller.last_tokens) == (256, 512)
     assert controller.last_step_bytes == expected_bytes(256, batch=2)
+
+
+def test_a_policy_whose_state_methods_raise_cannot_stop_a_save_or_a_resume():
+    class Fragile:
+        def decide(self, observation):
+            return 0
+
+        def state_dict(self):
+            raise RuntimeError("boom")
+
+        def load_state_dict(self, state):
+            raise AttributeError("gone")
+
+    controller = OffloadController(Settings(), probe=None, policy=Fragile())
+    with pytest.warns(AutoOffloadWarning, match=r"state_dict\(\) raised RuntimeError"):
+        state = controller.state_dict()
+    assert state["policy"] is None
+    with pytest.warns(AutoOffloadWarning, match="does not fit Fragile"):
+        controller.load_state_dict({**state, "policy": {"any": 1}})
