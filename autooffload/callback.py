@@ -20,6 +20,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .compile_guard import is_compiled
 from .controller import OffloadController, logger
 from .paths import deepspeed_config_warning
 from .policy import Policy
@@ -116,8 +117,6 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         trainer = _running_trainer()
         compiled = bool(getattr(args, "torch_compile", False)) or None
         if trainer is not None and compiled is None:
-            from .compile_guard import is_compiled
-
             compiled = is_compiled(trainer.model_wrapped) or None
         if model is not None:
             self.controller.attach(model, compiled=compiled)
@@ -128,11 +127,18 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self.controller.end_step()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._log_wrapped and logs is not None and "loss" in logs:
-            metrics = self.controller.metrics()
+        # Only where no Trainer was found to wrap: reporting callbacks before this one miss the keys.
+        metrics = {} if self._log_wrapped else self._metrics_for(logs)
+        if metrics:
             logs.update(metrics)
             if state.log_history:
                 state.log_history[-1].update(metrics)
+
+    def _metrics_for(self, logs: dict[str, float] | None) -> dict[str, float]:
+        """The ``autooffload/*`` keys for a training log (one with a loss) while attached; none otherwise."""
+        if logs is None or "loss" not in logs or self.controller.switch is None:
+            return {}
+        return self.controller.metrics()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.controller.switch is not None:
@@ -154,11 +160,9 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         log = trainer.log
         if getattr(log, "_autooffload", None) is not None:
             log = log._autooffload_inner
-        controller = self.controller
 
         def log_with_autooffload(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-            if "loss" in logs and controller.switch is not None:
-                logs.update(controller.metrics())
+            logs.update(self._metrics_for(logs))
             return log(logs, *args, **kwargs)
 
         log_with_autooffload._autooffload = True

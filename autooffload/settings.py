@@ -58,7 +58,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check(f.name, getattr(self, f.name), _env_name(f.name))
+            _check(f.name, getattr(self, f.name), _env_name(f.name), _TYPES[f.type])
         self._check_order("memory_low", "memory_high")
         self._check_order("seq_low", "seq_high")
 
@@ -86,7 +86,7 @@ class Settings:
                 raise SettingsError(
                     f"unknown environment variable {key}={raw!r}; autooffload reads: {', '.join(sorted(names))}"
                 )
-            values[names[key].name] = _parse(key, raw, names[key].type)
+            values[names[key].name] = _parse(key, raw, _TYPES[names[key].type])
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise SettingsError(
@@ -124,18 +124,18 @@ def _env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-def _parse(key: str, raw: str, kind: Any) -> Any:
+def _parse(key: str, raw: str, kind: type) -> Any:
     text = raw.strip()
-    if kind in (int, "int"):
+    if kind is int:
         try:
             return int(text)
         except ValueError:
             raise SettingsError(f"{key}={raw!r} is not an integer") from None
-    if kind in (bool, "bool"):
+    if kind is bool:
         if text.lower() in _TRUE + _FALSE:
             return text.lower() in _TRUE
         raise SettingsError(f"{key}={raw!r} is not a boolean: expected 1 or 0 (true or false)")
-    if kind in (float, "float"):
+    if kind is float:
         try:
             return float(text)
         except ValueError:
@@ -161,11 +161,11 @@ _ALLOWED = {
 }
 
 
-def _check(name: str, value: Any, env_name: str) -> None:
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}  # field annotations are strings here
+
+
+def _check(name: str, value: Any, env_name: str, expected: type) -> None:
     allowed, ok = _ALLOWED[name]
-    expected = {"mode": str, "engine": str, "policy": str, "rescue": bool, "sync_ranks": bool}.get(
-        name, float if name.startswith("memory") else int
-    )
     well_typed = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if expected is float:
         well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -71,6 +71,7 @@ def _torch_checkpoint_kwargs(function: Callable[..., Any]) -> dict[str, Any] | N
     return kwargs
 
 
+@functools.cache
 def _transformers_major() -> int:
     try:
         from importlib.metadata import version
