@@ -1,13 +1,14 @@
 """autooffload: keep activation checkpointing's saved inputs on the device while they fit, and move them to
 pinned host memory, per micro-batch, when a long sequence or a full device says they must go."""
 
-from .controller import AutoOffloadWarning, OffloadController
-from .offload import OffloadStats
-from .policy import HysteresisPolicy, Observation, Policy
-from .predictive import PredictivePolicy
-from .probe import MemoryProbe, MemoryReading, NvmlProbe, ProbeUnavailable, ScriptedProbe
+from .apply.offload import OffloadStats
+from .controller import OffloadController
+from .decide.policy import HysteresisPolicy, Observation, Policy
+from .decide.predictive import PredictivePolicy
+from .observe.probe import MemoryProbe, MemoryReading, NvmlProbe, ProbeUnavailable, ScriptedProbe
 from .rescue import Rescue
 from .settings import Settings, SettingsError
+from .warn import AutoOffloadWarning
 
 __version__ = "0.1.0"
 

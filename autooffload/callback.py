@@ -20,11 +20,11 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .compile_guard import is_compiled
+from .apply.compile_guard import is_compiled
+from .apply.paths import deepspeed_config_warning
 from .controller import OffloadController, logger
-from .paths import deepspeed_config_warning
-from .policy import Policy
-from .probe import MemoryProbe
+from .decide.policy import Policy
+from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
 
@@ -151,7 +151,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
         message = deepspeed_config_warning(getattr(plugin, "deepspeed_config", None))
         if message is not None:
-            self.controller._warn("deepspeed-config", message)
+            self.controller.warn("deepspeed-config", message)
 
     def _wrap_log(self, trainer: Trainer | None) -> None:
         self._log_wrapped = False

@@ -16,26 +16,27 @@ moved. The Trainer callback is a thin layer over these calls; a custom loop make
     print(controller.finish())  # on every rank: under torch.distributed it gathers the worst rank's memory
 
 Nothing here may stop a training run: a probe that fails, a policy that raises, a model with nothing
-checkpointed or inputs it cannot read each produce one :class:`AutoOffloadWarning` and a safe fallback.
+checkpointed or inputs it cannot read each produce one :class:`~autooffload.warn.AutoOffloadWarning` and a safe
+fallback.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
 
-from .compile_guard import CompileBudget, is_compiled
+from .apply.compile_guard import CompileBudget, is_compiled
+from .apply.offload import OffloadStats
+from .apply.paths import uncontrolled
+from .apply.switch import CheckpointSwitch, find_targets
+from .decide.policy import Observation, Policy
+from .decide.predictive import compile_levels, make_policy
 from .distributed import RankPeak, agree, worst_rank
-from .offload import OffloadStats
-from .paths import uncontrolled
-from .policy import Observation, Policy
-from .predictive import compile_levels, make_policy
-from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
+from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
-from .switch import CheckpointSwitch, find_targets
+from .warn import WarnOnce
 
 logger = logging.getLogger("transformers.autooffload")
 
@@ -43,10 +44,6 @@ ENABLE_HINT = (
     "enable checkpointing first: TrainingArguments(activation_checkpointing=True) "
     "(gradient_checkpointing=True before transformers 5.23) or model.gradient_checkpointing_enable()"
 )
-
-
-class AutoOffloadWarning(UserWarning):
-    """autooffload fell back to a safer behaviour; training goes on."""
 
 
 def token_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
@@ -84,7 +81,7 @@ class OffloadController:
     """Decides per micro-batch how many checkpointed layers keep their saved input in host memory.
 
     ``settings``: a :class:`~autooffload.settings.Settings` (default: ``Settings.from_env()``).
-    ``probe``: a :class:`~autooffload.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
+    ``probe``: a :class:`~autooffload.observe.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
     ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: the
     one ``settings.policy`` names). ``compiled``: force or deny the torch.compile budget; by default it is on
     when the attached model is compiled.
@@ -128,7 +125,7 @@ class OffloadController:
         self._policy_failed = False
         self.level: int | None = None
         self.worst_rank: RankPeak | None = None
-        self._warned: set[str] = set()
+        self.warn = WarnOnce()
 
     # ---- apply ---------------------------------------------------------------------------------------
 
@@ -137,9 +134,9 @@ class OffloadController:
         self.detach()
         targets, unknown = find_targets(model)
         for key, message in uncontrolled(model, unknown):
-            self._warn(key, message)
+            self.warn(key, message)
         if not targets:
-            self._warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
+            self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine)
         self.compiled = is_compiled(model) if compiled is None else compiled
@@ -179,7 +176,7 @@ class OffloadController:
             return NvmlProbe(device)
         except ProbeUnavailable as error:
             if self.settings.mode == "auto":
-                self._warn(
+                self.warn(
                     "no-probe",
                     f"no device memory reading ({error}); offload follows the sequence-length trigger alone "
                     f"(AUTOOFFLOAD_SEQ_HIGH={self.settings.seq_high})",
@@ -194,7 +191,7 @@ class OffloadController:
             return
         shape = token_shape(args, kwargs)
         if shape is None:
-            self._warn(
+            self.warn(
                 "no-tokens",
                 f"{type(module).__name__} was called without input_ids or inputs_embeds; the sequence-length "
                 "trigger is off for such calls and only the memory reading decides",
@@ -259,7 +256,7 @@ class OffloadController:
             return max(0, min(int(self.policy.decide(observation)), layers))
         except Exception as error:  # a user's policy must not end the run
             self._policy_failed = True
-            self._warn(
+            self.warn(
                 "policy", f"policy {type(self.policy).__name__} raised {error!r}; plain checkpointing from now on"
             )
             return 0
@@ -273,7 +270,7 @@ class OffloadController:
 
     def _latch(self) -> None:
         self.latched = True
-        self._warn(
+        self.warn(
             "latched",
             f"torch.compile: {self.budget.spent} offload switch(es) triggered recompilation, the budget "
             f"AUTOOFFLOAD_COMPILE_MAX_SWITCHES={self.settings.compile_max_switches} is spent; offload stays on "
@@ -321,7 +318,7 @@ class OffloadController:
             reading = self.probe.read()
         except Exception as error:  # NVML can fail mid-run (driver reset, XID); training goes on
             self.probe = None
-            self._warn(
+            self.warn(
                 "probe-failed",
                 f"memory reading failed ({error!r}); the sequence-length trigger alone decides from now on",
             )
@@ -395,7 +392,7 @@ class OffloadController:
         try:
             return self.policy.state_dict()
         except Exception as error:  # a user's policy must not stop a checkpoint save
-            self._warn("policy-save", f"policy {type(self.policy).__name__}.state_dict() raised {error!r}; not saved")
+            self.warn("policy-save", f"policy {type(self.policy).__name__}.state_dict() raised {error!r}; not saved")
             return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -413,14 +410,9 @@ class OffloadController:
             try:
                 self.policy.load_state_dict(state["policy"])
             except Exception as error:  # saved by another policy (AUTOOFFLOAD_POLICY changed), or a user's policy
-                self._warn(
+                self.warn(
                     "policy-state",
                     f"the saved policy state does not fit {type(self.policy).__name__} ({error!r}); it starts afresh",
                 )
         if self.switch is not None and self.level is not None:
             self._apply(self.level)
-
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"autooffload: {message}", AutoOffloadWarning, stacklevel=3)

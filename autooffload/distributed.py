@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .policy import Observation
+from .decide.policy import Observation
 
 if TYPE_CHECKING:
     from .controller import OffloadController
@@ -90,7 +90,7 @@ def _tell_policy(controller: OffloadController, level: int) -> None:
     try:
         agreed(observation, level)
     except Exception as error:  # a user's policy must not end the run
-        controller._warn(
+        controller.warn(
             "policy-agreed",
             f"policy {type(controller.policy).__name__}.agreed raised {error!r}; its state may differ from the "
             "level the ranks agreed on",

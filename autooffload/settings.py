@@ -33,7 +33,7 @@ class Settings:
     below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. Under torch.compile,
     at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
     ``engine``: ``"sync"`` copies on the compute stream; ``"stream"`` overlaps the copies with compute
-    (:mod:`autooffload.stream_engine`).
+    (:mod:`autooffload.apply.stream_engine`).
 
     ``policy`` picks who decides in ``auto`` mode: ``"predictive"`` plans each micro-batch from its token count
     and the memory seen so far, offloading only the layers it needs; ``"hysteresis"`` is the all-or-nothing

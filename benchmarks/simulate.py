@@ -6,9 +6,9 @@ Policies, each driven step by step through autooffload's own classes (the same `
 controller builds, the same ``decide``):
 
 - ``never``: plain checkpointing; ``always``: every layer, every step;
-- ``threshold``: :class:`~autooffload.policy.HysteresisPolicy` with the default settings (memory >= 90% of
+- ``threshold``: :class:`~autooffload.decide.policy.HysteresisPolicy` with the default settings (memory >= 90% of
   the last step, or a sequence of 32768 tokens, turns all layers on);
-- ``predictive``: :class:`~autooffload.predictive.PredictivePolicy` with the default settings, partial offload;
+- ``predictive``: :class:`~autooffload.decide.predictive.PredictivePolicy` with the default settings, partial offload;
 - ``predictive, compiled``: the same, held to the levels the controller allows under torch.compile;
 - ``oracle``: knows every step's true peak and offloads the fewest layers that keep it at or below the
   same 90% (or, where nothing can, at or below the device's size).
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autooffload.policy import HysteresisPolicy, Observation
-from autooffload.predictive import PredictivePolicy, compile_levels
+from autooffload.decide.policy import HysteresisPolicy, Observation
+from autooffload.decide.predictive import PredictivePolicy, compile_levels
 from autooffload.settings import Settings
 
 GIB = 2**30

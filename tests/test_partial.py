@@ -15,7 +15,7 @@ import pytest
 from conftest import HIDDEN, LAYERS, expected_bytes, model, train
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, MemoryReading, OffloadController, Settings
-from autooffload.predictive import compile_levels
+from autooffload.decide.predictive import compile_levels
 
 PER_TOKEN = HIDDEN * 4
 STATIC, WORK, TOTAL, HIGH = 2**20, 2 * PER_TOKEN, 2_048_000, 0.8

@@ -1,6 +1,6 @@
 """The hysteresis policy with plain numbers: no torch, no clock."""
 
-from autooffload.policy import HysteresisPolicy, Observation
+from autooffload.decide.policy import HysteresisPolicy, Observation
 
 
 def run(policy, readings, seqs=None, layers=8):

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from autooffload.policy import Observation
-from autooffload.predictive import PredictivePolicy, compile_levels, make_policy
+from autooffload.decide.policy import Observation
+from autooffload.decide.predictive import PredictivePolicy, compile_levels, make_policy
 from autooffload.settings import Settings
 
 LAYERS, PER_TOKEN, STATIC, SLOPE, TOTAL = 8, 100, 1_000_000, 850, 2_000_000

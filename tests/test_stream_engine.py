@@ -13,8 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from autooffload import AutoOffloadWarning, OffloadController, OffloadStats, Settings
-from autooffload.stream_engine import HostPool, StreamEngine, size_class
-from autooffload.switch import CheckpointSwitch, find_targets
+from autooffload.apply.stream_engine import HostPool, StreamEngine, size_class
+from autooffload.apply.switch import CheckpointSwitch, find_targets
 
 BATCH, SEQ = 2, 32
 

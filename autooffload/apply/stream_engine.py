@@ -36,7 +36,7 @@ views of one restored storage). Left on the device: the input of the last checkp
 starts right after the forward, so a copy would come straight back), storages below ``min_bytes`` (a small
 view of a large storage moves with it: kept, it would keep the whole storage on the device),
 parameters, registered buffers and other leaves that require grad (something else holds them, offloading
-would free nothing), tensor subclasses and non-strided tensors. :class:`~autooffload.offload.OffloadStats`
+would free nothing), tensor subclasses and non-strided tensors. :class:`~autooffload.apply.offload.OffloadStats`
 counts the bytes actually copied to the host: with every layer offloading, that is one layer's input less
 than the ``sync`` engine counts. When only the first k layers offload, layer k-1's input is copied but held
 on the device until the backward begins (no later layer call lets go of it). Either way, at the end of the
@@ -51,14 +51,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .controller import AutoOffloadWarning
+from ..warn import WarnOnce
 from .offload import OffloadStats, _pinned_allocator_available
 
 MIN_BYTES = 1024
@@ -159,7 +158,7 @@ class HostPool:
         self._in_use = 0
         self._cycle = 0
         self._lock = threading.Lock()
-        self._warned: set[str] = set()
+        self._warn = WarnOnce()
 
     def take(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, tuple] | None:
         """A host buffer of at least ``nbytes`` for a tensor on ``device`` and its key for :meth:`give`;
@@ -218,11 +217,6 @@ class HostPool:
         self.allocations += 1
         self.held_bytes += nbytes
         return buffer, key
-
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"autooffload: {message}", AutoOffloadWarning, stacklevel=4)
 
 
 class _Region:

@@ -10,8 +10,8 @@ Two kinds of module run torch's checkpoint on their own forward:
 
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
-under the saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.offload.HostOffloadHooks`;
-``stream``: :mod:`~autooffload.stream_engine`). They are closures, not partials, on purpose:
+under the saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.apply.offload.HostOffloadHooks`;
+``stream``: :mod:`~autooffload.apply.stream_engine`). They are closures, not partials, on purpose:
 torch.compile guards a called function by its code object, so swapping between two closures is seen
 (one recompile per variant, then cached), while a swap between two ``functools.partial`` objects is not
 guarded at all and would silently keep running the first one.

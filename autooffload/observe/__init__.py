@@ -1,0 +1,1 @@
+"""Observe: what the device holds at its fullest in a step (the memory probes)."""
