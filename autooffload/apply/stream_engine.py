@@ -31,7 +31,8 @@ A race here corrupts gradients silently, so each one is named with the rule that
   per device, so a buffer handed out again is written only after every earlier copy from it ran. The host
   never reads or writes the buffers.
 
-What moves is the tensor's storage, once per region even if several saves share it (views come back as
+What moves is the layer input's storage (the switch names it: the call's first positional tensor; other
+saved inputs such as a causal mask stay), once per region even if several saves share it (views come back as
 views of one restored storage). Left on the device: the input of the last checkpointed layer (its backward
 starts right after the forward, so a copy would come straight back), storages below ``min_bytes`` (a small
 view of a large storage moves with it: kept, it would keep the whole storage on the device),

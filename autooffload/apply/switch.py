@@ -8,6 +8,18 @@ Two kinds of module run torch's checkpoint on their own forward:
   at the next layer forward.
 - torch's ``CheckpointWrapper`` (accelerate's FSDP ``activation_checkpointing``): ``checkpoint_fn``.
 
+What counts as a layer. A module that checkpoints its own forward (transformers' ``GradientCheckpointingLayer``,
+4.52+, or a ``CheckpointWrapper``) is one layer. A module with the flag that holds no checkpointed module
+itself is a *container*: its forward calls ``self._gradient_checkpointing_func(layer.__call__, hidden, mask,
+...)`` once per layer (many model files on 4.52, remote code on any release), so its calls within one forward
+are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
+is known before the first forward, and an installed dispatcher (:class:`LayerCalls`) runs call i with layer
+i's function, counting from 0 again at every forward of the attached model. Layers are grouped in *stacks*
+(the ModuleList they share); only the stack that consumes the tokens (:func:`text_stack`) is planned, the
+others (a VLM's vision blocks) keep plain checkpointing. Of a layer call's saved inputs only the layer input
+moves (its first positional tensor): masks, position ids and position embeddings that reach the checkpoint
+as positional arguments stay, and so does an input already moved in the same forward.
+
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
 under the saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.apply.offload.HostOffloadHooks`;
@@ -185,7 +197,7 @@ def text_stack(model: torch.nn.Module, targets: list[CheckpointTarget]) -> str |
     def shared(stack: str) -> int:
         path = stack.split(".")[:-1] if stack else []
         count = 0
-        for mine, theirs in zip(path, owner):
+        for mine, theirs in zip(path, owner, strict=False):
             if mine != theirs:
                 break
             count += 1
@@ -329,9 +341,7 @@ class CheckpointSwitch:
         self.forward = ForwardState()
         self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
-        self.layers = [
-            LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)
-        ]
+        self.layers = [LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)]
         self._offload = [
             self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
             for s in self.layers
