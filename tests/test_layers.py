@@ -240,6 +240,35 @@ def test_more_calls_than_layers_run_plain_with_one_warning():
     controller.detach()
 
 
+class ParallelModel(RemoteModel):
+    """Every layer reads the same hidden states (parallel branches, summed): one tensor, moved once."""
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        batch, seq = input_ids.shape
+        hidden = self.embed(input_ids)
+        mask = torch.zeros(batch, 1, seq, seq)
+        position_ids = torch.arange(seq).expand(batch, seq).contiguous()
+        branches = [
+            self._gradient_checkpointing_func(layer.__call__, hidden, mask, position_ids)[0] for layer in self.layers
+        ]
+        return CausalLMOutput(logits=self.head(sum(branches)))
+
+
+def test_an_input_already_moved_in_this_forward_is_not_moved_again():
+    torch.manual_seed(0)
+    net = ParallelModel(RemoteConfig())
+    net.gradient_checkpointing_enable()
+    net.train()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(net)
+    ids = torch.randint(0, VOCAB, (2, 32))
+    for _ in range(2):
+        net(input_ids=ids).logits.sum().backward()
+        controller.end_step()
+        assert controller.last_step_bytes == 2 * layer_bytes(32)
+    controller.detach()
+
+
 def test_per_layer_checkpointing_moves_only_the_layer_input_of_a_call_that_also_gets_the_mask():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -264,6 +264,7 @@ class ForwardState:
         """The layer input of a call (its first positional tensor), or None when there is none or it was already
         handed to the engine in this forward."""
         layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        self.moved = [ref for ref in self.moved if ref() is not None]
         if layer_input is None or any(ref() is layer_input for ref in self.moved):
             return None
         self.moved.append(weakref.ref(layer_input))
