@@ -346,19 +346,23 @@ def test_size_threshold():
     assert engine.stats.total_bytes == 1024
 
 
-def test_parameters_buffers_and_leaves_that_require_grad_are_never_offloaded():
+def test_parameters_and_buffers_are_never_offloaded_and_a_leaf_input_that_requires_grad_is():
     module = torch.nn.Linear(64, 64)
     module.register_buffer("scale", torch.full((64, 64), 2.0))
     module.frozen = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
     engine, recorder = recording_engine()
     engine = StreamEngine(engine.stats, streams=recorder, pool=engine.pool, modules=[module])
-    leaf = torch.randn(64, 64, requires_grad=True)
-    run_region(engine, lambda w, f, b, x: (x @ w @ f * b).sin(), module.weight, module.frozen, module.scale, leaf)
-    assert recorder.copies("d2h") == []
-    assert module.weight.grad is not None and leaf.grad is not None
-    activation = leaf * 1
-    run_region(engine, lambda w, x: (x @ w).sin(), module.weight, activation)
+    activation = torch.randn(64, 64, requires_grad=True) * 1
+    weight_view = module.weight.t()  # a plain Tensor over a parameter's storage
+    run_region(engine, lambda w, f, b, x: (x @ w @ f * b).sin(), weight_view, module.frozen, module.scale, activation)
     assert [recorder.log[c][4] for c in recorder.copies("d2h")] == [activation.data_ptr()]
+    assert module.weight.grad is not None
+    # What enable_input_require_grads() makes of a frozen embedding's output: a leaf that requires grad,
+    # held by nothing but the autograd graph.
+    leaf = torch.randn(64, 64).requires_grad_(True)
+    run_region(engine, lambda w, x: (x @ w).sin(), module.weight, leaf)
+    assert [recorder.log[c][4] for c in recorder.copies("d2h")][1:] == [leaf.data_ptr()]
+    assert leaf.grad is not None
 
 
 def test_a_storage_shared_by_several_saves_is_offloaded_once_and_comes_back_shared():

@@ -77,3 +77,6 @@ class SyncEngine:
 
     def hooks(self, last: bool) -> HostOffloadHooks:
         return HostOffloadHooks(self.stats)
+
+    def begin_forward(self) -> None:
+        """Nothing links one layer call to another here."""

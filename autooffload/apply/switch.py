@@ -122,6 +122,9 @@ class OffloadEngine(Protocol):
 
     def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks: ...
 
+    def begin_forward(self) -> None:
+        """A top-level training forward begins: its layer calls form one chain, apart from earlier forwards'."""
+
 
 def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
     if name == "sync":
@@ -180,6 +183,19 @@ class CheckpointSwitch:
 
     def _install(self, target: CheckpointTarget, offload: bool) -> None:
         setattr(target.module, target.attribute, self._functions[id(target)][int(offload)])
+
+    def intact(self) -> bool:
+        """True while every target still runs one of this switch's functions with checkpointing on.
+
+        Identity checks only, no allocation: it runs before every training forward, to notice a trainer that
+        disabled and re-enabled checkpointing (TRL's reference forward), which installs new functions.
+        """
+        for target in self.targets:
+            if getattr(target.module, target.attribute, None) not in self._functions[id(target)]:
+                return False
+            if getattr(target.module, "gradient_checkpointing", True) is False:
+                return False
+        return True
 
     def restore(self) -> None:
         """Put back the functions found at construction."""
