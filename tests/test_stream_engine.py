@@ -423,3 +423,43 @@ def test_pool_counts_what_pinning_takes_against_the_host():
     assert pool.take(4096, torch.device("cpu")) is not None  # 4000 bytes (10%) must stay free
     with pytest.warns(AutoOffloadWarning, match="host memory is short"):
         assert pool.take(5000, torch.device("cpu")) is None  # 5000 would fit; the 8192 pinning takes would not
+
+
+class Fixed:
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def decide(self, observation) -> int:
+        return self.layers
+
+
+def two_forwards_then_two_backwards(net: torch.nn.Module, mark=lambda what: None) -> list[torch.Tensor]:
+    """Accumulation by hand, chosen and rejected as two calls: both forwards before either backward."""
+    mark("forward A")
+    a = net(input_ids=batch(0), labels=batch(0)).loss
+    mark("forward B")
+    b = net(input_ids=batch(1), labels=batch(1)).loss
+    mark("backward B")
+    b.backward()
+    mark("backward A")
+    a.backward()
+    mark("end")
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_each_forward_is_its_own_prefetch_chain():
+    reference = two_forwards_then_two_backwards(enable_checkpointing(model()))
+    net = enable_checkpointing(model())
+    controller = OffloadController(Settings(engine="stream"), probe=None, policy=Fixed(2))
+    controller.attach(net)
+    engine, recorder = recording_engine()
+    controller.switch.engine.streams, controller.switch.engine.pool = recorder, engine.pool
+    grads = two_forwards_then_two_backwards(net, recorder.mark)
+    assert all(torch.equal(g, e) for g, e in zip(grads, reference, strict=True))
+    at = {entry[0]: i for i, entry in enumerate(recorder.log) if len(entry) == 1}
+    held_by_a = {recorder.log[c][3] for c in recorder.copies("d2h") if at["forward A"] < c < at["forward B"]}
+    fetched = [(c, recorder.log[c][4]) for c in recorder.copies("h2d")]
+    assert len(held_by_a) == 2  # layers 0 and 1 of 4 offload
+    assert [c for c, source in fetched if source in held_by_a and c < at["backward A"]] == []
+    assert {source for c, source in fetched if c > at["backward A"]} == held_by_a
+    assert controller.stats.total_bytes == 2 * 2 * layer_bytes()
