@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+import datasets
+import peft
 import pytest
 import torch
-from conftest import HIDDEN, LAYERS, NEW_NAMES, dataset, expected_bytes, model, training_args
+import trl
+from conftest import NEW_NAMES, InOrderTrainer, dataset, expected_bytes, model, training_args
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from autooffload import AutoOffloadCallback
-
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
 
 PREFIX = "activation" if NEW_NAMES else "gradient"
 
@@ -136,7 +136,7 @@ def sft_steps(tmp_path, **extra):
 
 def test_sft_with_packing_moves_the_packed_length(tmp_path):
     rows = sft_steps(tmp_path, packing=True, max_length=48)
-    assert all(tokens > max(TEXT_WORDS) + 1 for tokens, *_ in rows)  # longer than any one text: several were packed together
+    assert all(tokens > max(TEXT_WORDS) + 1 for tokens, *_ in rows)  # longer than any one text: packed
     assert [(active, moved) for _, active, moved in rows] == [(1.0, expected_bytes(tokens)) for tokens, *_ in rows]
 
 
@@ -153,15 +153,12 @@ def test_sft_padding_free_moves_the_concatenated_length(tmp_path):
 
 @pytest.mark.parametrize("engine", ["sync", "stream"])
 def test_lora_first_layer_input_is_offloaded_by_both_engines(tmp_path, engine):
-    peft = pytest.importorskip("peft")
     net = peft.get_peft_model(model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     first_inputs = []
     layers = net.base_model.model.model.layers
     layers[0].register_forward_pre_hook(lambda module, args: first_inputs.append(args[0]))
     callback = AutoOffloadCallback(engine=engine, probe=None, policy=Fixed(1))
     recorder = Steps(callback, net)
-    from conftest import InOrderTrainer
-
     args = training_args(tmp_path, 3, offload="auto")
     InOrderTrainer(model=net, args=args, train_dataset=dataset([64, 96, 80]), callbacks=[callback, recorder]).train()
     assert all(x.is_leaf and x.requires_grad for x in first_inputs)  # what enable_input_require_grads() makes

@@ -37,13 +37,14 @@ A race here corrupts gradients silently, so each one is named with the rule that
 What moves is the tensor's storage, once per region even if several saves share it (views come back as
 views of one restored storage). Left on the device: the input of the last checkpointed layer (its backward
 starts right after the forward, so a copy would come straight back), storages below ``min_bytes`` (a small
-view of a large storage moves with it: kept, it would keep the whole storage on the device),
-parameters and registered buffers of the controlled modules, recognised by their storage (the model holds
-them, offloading would free nothing), tensor subclasses and non-strided tensors. :class:`~autooffload.apply.offload.OffloadStats`
-counts the bytes actually copied to the host: with every layer offloading, that is one layer's input less
-than the ``sync`` engine counts. When only the first k layers offload, layer k-1's input is copied but held
-on the device until the backward begins (no later layer call lets go of it). Either way, at the end of the
-forward the stream engine holds one layer input more on the device than ``sync``.
+view of a large storage moves with it: kept, it would keep the whole storage on the device), parameters
+and registered buffers of the controlled modules, recognised by their storage (the model holds them,
+offloading would free nothing), tensor subclasses and non-strided tensors.
+:class:`~autooffload.apply.offload.OffloadStats` counts the bytes actually copied to the host: with every
+layer offloading, that is one layer's input less than the ``sync`` engine counts. When only the first k
+layers offload, layer k-1's input is copied but held on the device until the backward or the next forward
+begins (no later layer call lets go of it). Either way, at the end of the forward the stream engine holds
+one layer input more on the device than ``sync``.
 
 Host memory is a third budget (:class:`HostPool`): pinned buffers are reused across steps, new ones are
 taken only while the host keeps ``min_free`` of its memory free; if pinning fails the engine continues with
