@@ -126,6 +126,7 @@ def test_checkpointing_re_enabled_every_step_runs_as_decided(kwargs):
         reenable(net, kwargs)
     assert moved == [expected_bytes(s, layers=2) for s in (64, 96, 80, 64)]
     assert active == [0.5] * 4 and controller.switches == 0
+    assert controller.reinstalls == 3  # before the forwards of steps 2, 3 and 4
 
 
 def test_checkpointing_turned_off_mid_run_reports_level_0_with_one_warning_until_it_is_back():
