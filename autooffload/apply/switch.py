@@ -180,20 +180,21 @@ class CheckpointSwitch:
             if not target.is_layer:
                 self._install(target, offload=k > 0)
         self.offloaded = k
+        self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
 
     def _install(self, target: CheckpointTarget, offload: bool) -> None:
         setattr(target.module, target.attribute, self._functions[id(target)][int(offload)])
 
     def intact(self) -> bool:
-        """True while every target still runs one of this switch's functions with checkpointing on.
+        """True while every target still runs the function this switch installed last, with checkpointing on.
 
         Identity checks only, no allocation: it runs before every training forward, to notice a trainer that
         disabled and re-enabled checkpointing (TRL's reference forward), which installs new functions.
         """
-        for target in self.targets:
-            if getattr(target.module, target.attribute, None) not in self._functions[id(target)]:
+        for module, attribute, function in self._installed:
+            if getattr(module, attribute, None) is not function:
                 return False
-            if getattr(target.module, "gradient_checkpointing", True) is False:
+            if getattr(module, "gradient_checkpointing", True) is False:
                 return False
         return True
 
