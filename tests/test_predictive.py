@@ -44,7 +44,7 @@ def run(policy, lengths, start=0, reading=None):
     return levels, reading
 
 
-def trained(lengths=(100, 200, 300)):
+def trained(lengths=(100, 200, 1300, 300)):
     policy = PredictivePolicy(memory_high=0.9, seq_high=10**6, seq_low=10**5)
     _, reading = run(policy, lengths)
     return policy, len(lengths), reading
@@ -67,18 +67,13 @@ def test_short_micro_batches_offload_nothing_and_the_sample_after_an_offload_kee
     assert policy.slope(LAYERS * PER_TOKEN) == pytest.approx(SLOPE)
 
 
-def test_never_the_last_layer():
+def test_an_excess_beyond_every_layer_but_one_offloads_every_layer():
     policy, step, reading = trained()
-    assert policy.decide(observe(step, 50_000, reading)) == LAYERS - 1
-
-
-def test_one_sample_is_seeded_from_the_arithmetic_of_the_checkpointed_inputs():
-    policy = PredictivePolicy(memory_high=0.9)
-    policy.decide(observe(0, 100, None))
-    policy.decide(observe(1, 100, peak(100, 0)))
-    # Slope = layers x bytes per layer input per token = 800 until two lengths are seen.
-    assert not policy.fitted
-    assert policy.predict(1000, PER_TOKEN * 1000) == pytest.approx(peak(100, 0) + 800 * 900)
+    # 5000 tokens, beyond the longest seen (1300): 2,105,000 + 1.1 x 850 x 3700 = 5,564,500 predicted, an
+    # excess of 3,764,500 over 1,800,000. Seven layers of 500,000 do not cover it, eight do: all eight.
+    assert policy.predict(5000) == pytest.approx(5_564_500)
+    assert policy.decide(observe(step, 5000, reading)) == LAYERS
+    assert policy.decide(observe(step, 50_000, reading)) == LAYERS
 
 
 def test_without_a_reading_it_is_the_hysteresis_policy():
