@@ -28,9 +28,9 @@ class Observation:
     checkpointed layer's saved input takes for this micro-batch, so what offloading one layer frees.
     ``levels``: the only numbers of layers allowed (torch.compile: each distinct level can cost a
     recompilation); ``None`` allows any from 0 to ``layers``. ``last_step_rescued``: the last step ran out of
-    memory and was rerun (:mod:`autooffload.rescue`), so its reading is a lower bound of what the step needed
-    (the controller raises it to at least the device's size, and to the failed allocation on top of the reading
-    where the error names it).
+    memory and was rerun (:mod:`autooffload.rescue`), so its reading is a lower bound of what the step needed:
+    the controller raises ``memory_bytes`` (not ``memory_fraction``, which stays the reading) to at least the
+    device's size, and to the reading plus the failed allocation where the error names its size.
 
     What the model's config and the optimizer say (:mod:`autooffload.decide.peak`): ``logits_bytes_per_token``
     (the logits at the loss) and ``layer_work_bytes_per_token`` (one layer's recompute working set), per token of

@@ -105,7 +105,9 @@ class PredictivePolicy:
         """Two exact samples of different lengths: the slope is measured, not guessed."""
         return self.model.fitted
 
-    def predict(self, tokens: int, bytes_per_layer: int | None = None, observation: Observation | None = None) -> float | None:
+    def predict(
+        self, tokens: int, bytes_per_layer: int | None = None, observation: Observation | None = None
+    ) -> float | None:
         """Peak bytes of a step whose largest micro-batch has ``tokens`` and offloads nothing; None before a sample.
 
         ``observation`` supplies the seed's logits and working-set terms; without it the seed is the floor.
