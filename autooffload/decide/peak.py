@@ -17,9 +17,10 @@ plans in bytes. Its pieces, each a method or a function here:
   the nearest sample on one side or the other is above it; so a sample is exact for its own length, and the
   slope only changes how much is planned between samples;
 - the **extrapolation** beyond the longest length seen: the upper line there, plus ``(1 + margin)`` times
-  the larger of the inside slope and the seed for every further token. A longer micro-batch than any seen is
-  where an under-prediction costs an out-of-memory step, and the seed (the logits above all) is what the
-  samples of shorter lengths may not yet show.
+  the slope for every further token: the inside slope within the span the exact samples cover (beyond the
+  longest by at most the distance between the shortest and the longest), the larger of it and the seed
+  further out. A longer micro-batch than any seen is where an under-prediction costs an out-of-memory step,
+  and the seed (the logits above all) is what a few clustered lengths may not show.
 
 Bytes that the latest reading does not include yet (the optimizer state before the first ``optimizer.step()``)
 belong in the sample: the policy adds them when it takes one.
@@ -113,8 +114,14 @@ class PeakModel:
         inside = self.slope(floor)
         if tokens <= longest:
             return self.upper_line(tokens, inside)
-        beyond = (1 + self.margin) * max(inside, seed, floor)
+        beyond = (1 + self.margin) * (inside if self.trusted(tokens) else max(inside, seed, floor))
         return self.upper_line(longest, inside) + beyond * (tokens - longest)
+
+    def trusted(self, tokens: int) -> bool:
+        """Whether the fitted slope may extrapolate to ``tokens``: no further beyond the longest exact sample than
+        the exact samples span. Clustered lengths measure a slope poorly, and a far length needs the seed."""
+        exact = [t for t, _, is_exact in self.samples if is_exact]
+        return self.fitted and tokens - max(exact) <= max(exact) - min(exact)
 
 
 def slope_terms(

@@ -138,7 +138,9 @@ class PredictivePolicy:
         if excess <= 0:
             return 0
         per_layer = observation.bytes_per_layer
-        level = min(math.ceil(excess / per_layer), observation.layers) if per_layer else observation.layers
+        if not per_layer:
+            return observation.layers
+        level = min(math.ceil(excess / per_layer), observation.layers)
         if observation.levels:
             level = min((allowed for allowed in observation.levels if allowed >= level), default=observation.layers)
         return level
