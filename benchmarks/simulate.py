@@ -24,9 +24,9 @@ noise (uniform in [0, --noise), drawn per micro-batch from --seed, the same for 
 fragmentation. A full fine-tune's optimizer state (``optimizer_state_gib``) is missing from step 0's peak,
 as Adam allocates it at the first ``optimizer.step()``; the policies are told so (``pending_bytes``) at step 1,
 as the controller tells them. The observations carry the per-token terms the controller computes from a
-model's config (the logits, whether or not the loss is chunked, and w). f, the share of a layer input's bytes that offloading removes from the peak, is 1 by the
-arithmetic. When a measured results file of ``benchmarks/bench.py`` from a GPU is found (``--results``), its
-plain peaks calibrate w (the slope over tokens beyond the checkpointed inputs) and its offloaded peaks f.
+model's config (the logits, whether or not the loss is chunked, and w). f, the share of a layer input's bytes
+that offloading removes from the peak, is 1 by the arithmetic. When a measured results file of
+``benchmarks/bench.py`` from a GPU is found (``--results``), its plain peaks calibrate w (the slope over tokens beyond the checkpointed inputs) and its offloaded peaks f.
 
 A step whose peak passes the device's size counts as an out-of-memory step and is rescued as
 :mod:`autooffload.rescue` does: rerun with every layer offloaded (its bytes are counted; the failed attempt
