@@ -26,7 +26,8 @@ as Adam allocates it at the first ``optimizer.step()``; the policies are told so
 as the controller tells them. The observations carry the per-token terms the controller computes from a
 model's config (the logits, whether or not the loss is chunked, and w). f, the share of a layer input's bytes
 that offloading removes from the peak, is 1 by the arithmetic. When a measured results file of
-``benchmarks/bench.py`` from a GPU is found (``--results``), its plain peaks calibrate w (the slope over tokens beyond the checkpointed inputs) and its offloaded peaks f.
+``benchmarks/bench.py`` from a GPU is found (``--results``), its plain peaks calibrate w (the slope over
+tokens beyond the checkpointed inputs) and its offloaded peaks f.
 
 A step whose peak passes the device's size counts as an out-of-memory step and is rescued as
 :mod:`autooffload.rescue` does: rerun with every layer offloaded (its bytes are counted; the failed attempt
