@@ -71,6 +71,7 @@ class PredictivePolicy:
         self.fallback = HysteresisPolicy(memory_high, memory_low, seq_high, seq_low, min_steps)
         self.total_bytes: int | None = None
         self.layers = 0
+        self.token_terms: tuple[float | None, float | None] = (None, None)  # logits, layer work per token
         self._step: int | None = None
         self._pending: list[tuple[int, int, int]] = []  # tokens, layers offloaded, bytes per layer
 
@@ -110,16 +111,11 @@ class PredictivePolicy:
     ) -> float | None:
         """Peak bytes of a step whose largest micro-batch has ``tokens`` and offloads nothing; None before a sample.
 
-        ``observation`` supplies the seed's logits and working-set terms; without it the seed is the floor.
+        ``observation`` supplies the seed's logits and working-set terms; without it, those of the last one seen.
         """
         o = observation
-        floor, seed = slope_terms(
-            self.layers,
-            tokens,
-            bytes_per_layer,
-            o.logits_bytes_per_token if o else None,
-            o.layer_work_bytes_per_token if o else None,
-        )
+        logits, work = (o.logits_bytes_per_token, o.layer_work_bytes_per_token) if o else self.token_terms
+        floor, seed = slope_terms(self.layers, tokens, bytes_per_layer, logits, work)
         return self.model.predict(tokens, floor, seed)
 
     def slope(self, floor: float = 0.0) -> float:
@@ -149,6 +145,7 @@ class PredictivePolicy:
         if observation.total_bytes:
             self.total_bytes = observation.total_bytes
         self.layers = observation.layers
+        self.token_terms = (observation.logits_bytes_per_token, observation.layer_work_bytes_per_token)
         if observation.step == self._step:
             return
         if (
