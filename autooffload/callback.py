@@ -205,9 +205,11 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     Uses the trainer's :class:`AutoOffloadCallback` if it has one (``kwargs`` must then be empty), else adds
     one built from ``kwargs``. A callback cannot catch an exception, so the rescue wraps
     ``trainer.training_step`` on this instance (see :mod:`autooffload.rescue`); it looks the callback up at
-    every call, since resuming with ``restore_callback_states_from_checkpoint`` replaces it.
+    every call, since resuming with ``restore_callback_states_from_checkpoint`` replaces it. Where a rerun
+    is not safe (DeepSpeed, FSDP, a Trainer that overrides ``_prepare_inputs`` like TRL's GRPO), there is no
+    rescue, and one warning says why.
     """
-    from .rescue import with_rescue
+    from .rescue import rescue_refusal, with_rescue
 
     def current() -> AutoOffloadCallback | None:
         return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
@@ -218,5 +220,9 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
         trainer.add_callback(callback)
     elif kwargs:
         raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
-    with_rescue(trainer, lambda: (current() or callback).controller)
+    refusal = rescue_refusal(trainer)
+    if refusal is None:
+        with_rescue(trainer, lambda: (current() or callback).controller)
+    elif callback.controller.settings.rescue:
+        callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
     return callback
