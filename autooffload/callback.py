@@ -28,6 +28,9 @@ from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
 
+PEAKED_DELTA = "train_mem_gpu_peaked_delta"
+
+
 def checkpointing_kwargs(args: Any) -> dict[str, Any]:
     """The checkpointing kwargs from TrainingArguments, under either name (``activation_`` from 5.23)."""
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
@@ -163,12 +166,27 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
         def log_with_autooffload(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
             logs.update(self._metrics_for(logs))
+            self._restore_peaked_delta(logs)
             return log(logs, *args, **kwargs)
 
         log_with_autooffload._autooffload = True
         log_with_autooffload._autooffload_inner = log
         trainer.log = log_with_autooffload
         self._log_wrapped = True
+
+    def _restore_peaked_delta(self, logs: dict[str, float]) -> None:
+        """Trainer's ``train_mem_gpu_peaked_delta`` (``skip_memory_metrics=False``) is torch's peak counter at
+        the end of ``train()`` minus what is allocated then; the probe resets that counter every step (see
+        :class:`~autooffload.observe.probe.NvmlProbe` for why), so the metric would be the last step's
+        peak. The probe kept the run's peak: put it back. The metrics dict is the one ``train()`` returns too.
+        """
+        run_peaked_delta = getattr(self.controller.probe, "peaked_delta", None)
+        if PEAKED_DELTA not in logs or run_peaked_delta is None:
+            return
+        try:
+            logs[PEAKED_DELTA] = max(logs[PEAKED_DELTA], run_peaked_delta())
+        except Exception as error:  # a metric must not stop training
+            self.controller.warn("peaked-delta", f"{PEAKED_DELTA} may miss earlier steps' peaks ({error!r})")
 
     # ---- checkpoints ---------------------------------------------------------------------------------
 

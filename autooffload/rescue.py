@@ -148,7 +148,9 @@ def rescue_refusal(trainer: Any, model: torch.nn.Module | None = None) -> str | 
             "under DeepSpeed the model is the engine: its backward steps the optimizer on the last micro-batch "
             "and ZeRO keeps accumulated gradients outside param.grad, so a failed step cannot be rerun"
         )
-    engines = {cls.__name__ for module in (model, getattr(trainer, "model_wrapped", None)) for cls in type(module).__mro__}
+    engines = {
+        cls.__name__ for module in (model, getattr(trainer, "model_wrapped", None)) for cls in type(module).__mro__
+    }
     if getattr(trainer, "is_fsdp_enabled", False) or kind == "FSDP" or engines & set(_ENGINE_TYPES):
         return "under FSDP or DeepSpeed engines the step's gradients are sharded and reduced in collectives"
     prepare = getattr(type(trainer), "_prepare_inputs", None)

@@ -133,6 +133,12 @@ class NvmlProbe:
         index = _cuda_index(device, self._cuda)
         return max(self._run_peak.get(index, 0), int(self._cuda.max_memory_allocated(index)))
 
+    def peaked_delta(self, device: object = None) -> int:
+        """Trainer's ``peaked_delta`` as it would be without this probe's resets: the run's peak of live
+        tensors on ``device`` (default: the current one, as Trainer reads) less what is allocated now."""
+        index = _cuda_index(device, self._cuda)
+        return max(0, self.peak_allocated(index) - int(self._cuda.memory_allocated(index)))
+
     def _read_device(self, index: int) -> MemoryReading:
         used, total = self._device_memory(index)
         outside_allocator = max(0, used - int(self._cuda.memory_reserved(index)))
