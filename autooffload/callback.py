@@ -27,7 +27,6 @@ from .decide.policy import Policy
 from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
-
 PEAKED_DELTA = "train_mem_gpu_peaked_delta"
 
 

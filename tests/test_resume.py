@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from conftest import InOrderTrainer, dataset, expected_bytes, model, training_args
-
 from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, ScriptedProbe
