@@ -186,6 +186,9 @@ def test_the_probe_keeps_the_run_peak_that_its_resets_hide_from_torch():
     assert probe.peak_allocated() == 9 * GiB
     cuda.step(0, peak=12 * GiB, end=GiB)  # after the last reading (a save, an evaluation)
     assert probe.peak_allocated() == 12 * GiB
+    probe.reset()  # the next step's start
+    cuda.step(0, peak=4 * GiB, end=GiB)
+    assert probe.read().used_bytes == 5 * GiB and probe.peak_allocated() == 12 * GiB
 
 
 class StepPeaks:

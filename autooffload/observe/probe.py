@@ -127,6 +127,11 @@ class NvmlProbe:
         self._reset_peaks()
         return max(readings, key=lambda reading: reading.fraction)
 
+    def reset(self) -> None:
+        """Start the peak (and the retry count) here: at a step's start, so what ran between steps (evaluation,
+        checkpoint saving) is not in its reading. The run's peak keeps what came before."""
+        self._reset_peaks()
+
     def peak_allocated(self, device: object = None) -> int:
         """The largest ``max_memory_allocated`` of ``device`` (default: the current one) since this probe
         was made, across the probe's own resets: what torch's counter would say had nobody reset it."""
