@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .host_memory import HostMemory
 from .offload import OffloadStats, SyncEngine
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
@@ -123,13 +124,15 @@ class OffloadEngine(Protocol):
     def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks: ...
 
 
-def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
+def make_engine(
+    name: str, stats: OffloadStats, modules: list[torch.nn.Module], host: HostMemory | None = None
+) -> OffloadEngine:
     if name == "sync":
-        return SyncEngine(stats)
+        return SyncEngine(stats, host)
     if name == "stream":
-        from .stream_engine import StreamEngine
+        from .stream_engine import HostPool, StreamEngine
 
-        return StreamEngine(stats, modules=modules)
+        return StreamEngine(stats, modules=modules, pool=HostPool(host))
     raise ValueError(f"unknown offload engine {name!r}")
 
 
@@ -146,16 +149,21 @@ class CheckpointSwitch:
 
     ``apply(k)`` makes the first ``k`` layers (in module order: their inputs are saved earliest and live
     longest) offload and the others not; container targets (a model that holds checkpointed layers)
-    offload whenever any layer does. ``engine``: ``"sync"``, ``"stream"`` or an :class:`OffloadEngine`.
+    offload whenever any layer does. ``engine``: ``"sync"``, ``"stream"`` or an :class:`OffloadEngine`;
+    ``host``: where a named engine takes its host buffers (default: a manager of its own).
     """
 
     def __init__(
-        self, targets: list[CheckpointTarget], stats: OffloadStats, engine: str | OffloadEngine = "sync"
+        self,
+        targets: list[CheckpointTarget],
+        stats: OffloadStats,
+        engine: str | OffloadEngine = "sync",
+        host: HostMemory | None = None,
     ) -> None:
         self.targets = targets
         self.layers = [t for t in targets if t.is_layer]
         modules = [t.module for t in targets]
-        self.engine = make_engine(engine, stats, modules) if isinstance(engine, str) else engine
+        self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
         self._functions = {}
         for target in targets:
             last = bool(self.layers) and target is self.layers[-1]
