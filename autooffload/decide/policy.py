@@ -29,7 +29,8 @@ class Observation:
     ``levels``: the only numbers of layers allowed (torch.compile: each distinct level can cost a
     recompilation); ``None`` allows any from 0 to ``layers``. ``last_step_rescued``: the last step ran out of
     memory and was rerun (:mod:`autooffload.rescue`), so its reading is where the device ran out, a lower
-    bound of what the step needed.
+    bound of what the step needed. ``host_layers``: the most layers whose saved inputs fit the host memory
+    budget for this micro-batch (the controller caps every answer at it; ``None``: no cap known).
     """
 
     step: int
@@ -42,6 +43,7 @@ class Observation:
     bytes_per_layer: int | None = None
     levels: tuple[int, ...] | None = None
     last_step_rescued: bool = False
+    host_layers: int | None = None
 
 
 class Policy(Protocol):
