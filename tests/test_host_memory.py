@@ -187,7 +187,8 @@ def test_a_small_budget_caps_the_level_and_what_is_held(tmp_path, caplog, engine
     # The sync engine copies both layers' inputs; the stream engine keeps the last offloaded one on the device
     # only when it is the model's last layer, which it is not here: both move two layers' inputs.
     assert [moved for _, moved, _ in rows] == [2 * per_layer] * 3
-    assert host.peak_held_bytes <= host.budget_bytes and host.held_bytes == 2 * per_layer
+    assert [held for *_, held in rows] == [2 * per_layer] * 3 and host.peak_held_bytes <= host.budget_bytes
+    assert host.held_bytes == 0  # released when training ends
     capped = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
     assert len(capped) == 1 and "capped at 2 of the 4 layer(s)" in capped[0]
     logged = [h["autooffload/host_bytes"] for h in trainer.state.log_history if "loss" in h]
@@ -200,7 +201,7 @@ def test_the_budget_is_shared_by_the_ranks_of_the_node(tmp_path, monkeypatch):
     per_layer = seq * HIDDEN * 4
     callback, rows, *_ = run(tmp_path, [seq], Pinning(), mode="on", host_memory=f"{4 * per_layer}B")
     assert callback.controller.host.budget_bytes == per_layer
-    assert rows == [(1, per_layer, per_layer)]
+    assert rows == [(1, per_layer, per_layer)]  # a quarter of the node's budget: one layer's input
 
 
 @pytest.mark.parametrize("engine", ["sync", "stream"])
@@ -216,12 +217,13 @@ def test_pinning_that_fails_mid_step_falls_back_with_one_warning_and_equal_resul
     assert losses == reference
     for (name, a), (_, b) in zip(net.named_parameters(), reference_net.named_parameters(), strict=True):
         assert torch.equal(a, b), name
-    host = callback.controller.host
     moved = [expected_bytes(seq) for seq in lengths]
     if engine == "stream":  # the last layer's input stays on the device
         moved = [m * (LAYERS - 1) // LAYERS for m in moved]
     assert [m for _, m, _ in rows] == moved
-    assert host.pinned_bytes == 2 * page_round(expected_bytes(96) // LAYERS) < host.held_bytes
+    # Two buffers pinned, the third failed and was not tried again; the rest pageable; all released at the end.
+    assert pinning.calls == 3 and len(pinning.unpinned) == 2 and pinning.pinned == set()
+    assert rows[0][2] == moved[0]  # pinned or not, every buffer is held and counted (exact page multiples here)
 
 
 def test_the_pool_gives_memory_back_after_offload_has_been_off(tmp_path):
