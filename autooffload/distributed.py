@@ -92,7 +92,9 @@ def all_reduce_max(values: list[int], group: AgreementGroup | None = None) -> li
     Without ``group``, over the default group on its backend's device."""
     device = collective_device() if group is None else group.device
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=None if group is None else group.group)
+    torch.distributed.all_reduce(
+        tensor, op=torch.distributed.ReduceOp.MAX, group=None if group is None else group.group
+    )
     return tensor.tolist()
 
 

@@ -211,7 +211,7 @@ def test_pinning_that_fails_mid_step_falls_back_with_one_warning_and_equal_resul
     pinning = Pinning(fail_at=3)  # the third layer of the first forward
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        callback, rows, losses, net, _ = run(tmp_path / "fail", lengths, pinning, engine, mode="on")
+        _, rows, losses, net, _ = run(tmp_path / "fail", lengths, pinning, engine, mode="on")
     ours = [w for w in caught if issubclass(w.category, AutoOffloadWarning)]
     assert len(ours) == 1 and "pageable" in str(ours[0].message)
     assert losses == reference

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-import platform
 import threading
 from collections.abc import Callable
 
@@ -36,6 +35,7 @@ from ..warn import WarnOnce
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 4
+
 
 def host_memory() -> tuple[int, int]:
     """(available, total) bytes of host memory, from psutil, or /proc/meminfo where psutil is missing."""
@@ -67,23 +67,6 @@ def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = host_memor
         return int(value)
     available, total = memory()
     return int(value * (available if kind == "auto" else total))
-
-
-def pinnable_limit() -> tuple[int | None, str]:
-    """The most memory this process may lock, where it can be read, and a note: ``(None, note)`` if unlimited
-    or unknown. Reads RLIMIT_MEMLOCK (``ulimit -l``) and recognises WSL, whose cap cannot be read."""
-    note = ""
-    if "microsoft" in platform.uname().release.lower():
-        note = "WSL: pinned memory is capped near 1-2 GiB per process"
-    try:
-        import resource
-
-        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    except (ImportError, OSError, ValueError, AttributeError):
-        return None, note or "memlock limit unknown"
-    if soft == resource.RLIM_INFINITY:
-        return None, note or "memlock unlimited (ulimit -l)"
-    return int(soft), note or "memlock limit (ulimit -l)"
 
 
 def page_round(nbytes: int) -> int:
