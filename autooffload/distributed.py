@@ -72,13 +72,14 @@ def takes_cpu_tensors() -> bool:
 class AgreementGroup:
     """Where the agreement runs: a gloo side group when the default backend cannot take CPU tensors (NCCL),
     else the default group; the small tensor then always lives on the host. Made once, at attach, by every
-    rank at the same point (``new_group`` is itself a collective over the default group)."""
+    rank at the same point (``new_group`` is itself a collective over the default group). ``always_side``:
+    make the side group even where the default group would do (a benchmark compares the two)."""
 
-    def __init__(self) -> None:
+    def __init__(self, always_side: bool = False) -> None:
         self.group = None
         self.device = torch.device("cpu")
         self.side = False
-        if takes_cpu_tensors():
+        if takes_cpu_tensors() and not always_side:
             return
         if torch.distributed.is_gloo_available():
             self.group = torch.distributed.new_group(backend="gloo")
