@@ -149,7 +149,7 @@ class HostMemory:
         self.releases = 0
         self.step = 0
         self._free: dict[torch.device, list[HostBuffer]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # give() runs from finalizers, possibly inside take() on this thread
         self.warn = WarnOnce()
 
     def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
