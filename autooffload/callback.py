@@ -76,6 +76,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         rescue: bool | None = None,
+        host_memory: str | None = None,
     ) -> None:
         given = dict(
             mode=mode,
@@ -89,6 +90,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             policy=policy if isinstance(policy, str) else None,
             rescue=rescue,
             sync_ranks=sync_ranks,
+            host_memory=host_memory,
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from .apply.compile_guard import CompileBudget, is_compiled
+from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_node
 from .apply.offload import OffloadStats
 from .apply.paths import uncontrolled
 from .apply.switch import CheckpointSwitch, find_targets
 from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
-from .distributed import RankPeak, agree, worst_rank
+from .distributed import AgreementGroup, RankPeak, agree, world_size, worst_rank
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
 from .warn import WarnOnce
@@ -146,7 +147,8 @@ class OffloadController:
     ``probe``: a :class:`~autooffload.observe.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
     ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: the
     one ``settings.policy`` names). ``compiled``: force or deny the torch.compile budget; by default it is on
-    when the attached model is compiled.
+    when the attached model is compiled. ``host``: the host memory manager both engines take buffers from
+    (default: one whose budget is set at attach from ``settings.host_memory`` and ``LOCAL_WORLD_SIZE``).
     """
 
     def __init__(
@@ -155,8 +157,12 @@ class OffloadController:
         *,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | None = None,
+        host: HostMemory | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
+        self.host = host if host is not None else HostMemory()
+        self.agreement: AgreementGroup | None = None
+        self._cap_logged = False
         self.policy = policy if policy is not None else make_policy(self.settings)
         self.probe_choice = probe
         self.probe: MemoryProbe | None = None
@@ -216,7 +222,11 @@ class OffloadController:
         if not targets:
             self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn)
+        if self.host.budget_bytes is None:
+            self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
+        if self.settings.sync_ranks and world_size() > 1 and self.agreement is None:
+            self.agreement = AgreementGroup()  # every rank attaches at the same point: new_group is a collective
+        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
@@ -229,11 +239,15 @@ class OffloadController:
         fixed = self._fixed_level()
         self._apply(fixed if fixed is not None else self.level or 0)
         logger.info(
-            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s",
+            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, "
+            "host memory budget %.1f MiB for this rank (AUTOOFFLOAD_HOST_MEMORY=%s over %d rank(s) of the node)",
             len(self.switch.layers),
             self.settings.mode,
             type(self.probe).__name__ if self.probe is not None else "none",
             self.compiled,
+            self.host.budget_bytes / 2**20,
+            self.settings.host_memory,
+            ranks_per_node(),
         )
         return True
 
@@ -250,6 +264,7 @@ class OffloadController:
                 self.switch.apply(0)
             self.switch = None
         self._model = None
+        self.host.release_all()
 
     def _follow_installed(self) -> None:
         """Rebuild the targets if the checkpoint functions changed hands since the last forward.
@@ -332,7 +347,9 @@ class OffloadController:
         self.switch.engine.begin_forward()
         self._settle_budget()
         self.last_seq_len, self.last_tokens = seq_len, tokens
-        level = agree(self, self._decide(seq_len, tokens) if self.switch.layers else 0)
+        cap = self._host_cap(tokens)
+        decided = self._capped(self._decide(seq_len, tokens, cap), cap) if self.switch.layers else 0
+        level = agree(self, decided, cap)
         if level != self.switch.offloaded and self._micro_batches > 0:
             self.switches += 1
             logger.info(
@@ -359,7 +376,35 @@ class OffloadController:
             return 0
         return None
 
-    def _decide(self, seq_len: int, tokens: int) -> int:
+    def _host_cap(self, tokens: int) -> int | None:
+        """The most layers whose saved inputs fit this rank's host budget at ``tokens``; None if not known yet."""
+        assert self.switch is not None
+        if self.host.budget_bytes is None or not self.layer_token_bytes or tokens <= 0:
+            return None
+        layers = len(self.switch.layers)
+        cap = min(layers, self.host.budget_bytes // page_round(round(self.layer_token_bytes * tokens)))
+        if self.compiled:
+            cap = max(level for level in compile_levels(layers, self.settings.compile_max_switches) if level <= cap)
+        return cap
+
+    def _capped(self, level: int, cap: int | None) -> int:
+        if cap is None or level <= cap:
+            return level
+        if not self._cap_logged:
+            self._cap_logged = True
+            logger.info(
+                "autooffload: step %d: offload capped at %d of the %d layer(s) asked for: the host memory budget "
+                "(%.1f MiB for this rank, AUTOOFFLOAD_HOST_MEMORY=%s) holds no more at %d tokens",
+                self.step,
+                cap,
+                level,
+                self.host.budget_bytes / 2**20,
+                self.settings.host_memory,
+                self.last_tokens,
+            )
+        return cap
+
+    def _decide(self, seq_len: int, tokens: int, host_layers: int | None = None) -> int:
         assert self.switch is not None
         fixed = self._fixed_level()
         if fixed is not None:
@@ -382,6 +427,7 @@ class OffloadController:
             layer_work_bytes_per_token=self.work_token_bytes,
             pending_bytes=self.pending_bytes,
             last_step_clean=self.last_step_clean,
+            host_layers=host_layers,
         )
         try:
             return max(0, min(int(self.policy.decide(observation)), layers))
@@ -470,6 +516,7 @@ class OffloadController:
         self.pending_bytes = self._pending_optimizer_bytes()
         self._step_begun = False
         self.step += 1
+        self.host.end_step()
 
     def _pending_optimizer_bytes(self) -> int:
         """Optimizer state that did not exist when the step just read began, so its reading lacks it."""
@@ -511,6 +558,7 @@ class OffloadController:
             "autooffload/offloaded_bytes": float(self.last_step_bytes),
             "autooffload/switches": float(self.switches),
             "autooffload/rescues": float(self.rescues),
+            "autooffload/host_bytes": float(self.host.held_bytes),
         }
         if self.memory_fraction is not None:
             logs["autooffload/memory_fraction"] = self.memory_fraction
@@ -536,7 +584,7 @@ class OffloadController:
         """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
         gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
         others'. Returns the summary."""
-        self.worst_rank = worst_rank(self.peak_memory_fraction, self.settings.sync_ranks)
+        self.worst_rank = worst_rank(self.peak_memory_fraction, self.settings.sync_ranks, self.agreement)
         return self.summary()
 
     def state_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,8 @@ ENV_PREFIX = "AUTOOFFLOAD_"
 MODES = ("auto", "on", "off")
 ENGINES = ("sync", "stream")
 POLICIES = ("predictive", "hysteresis")
+DEFAULT_HOST_SHARE = 0.5  # of the host memory available at start, for the node: AUTOOFFLOAD_HOST_MEMORY=auto
+PAGE = 4096
 
 
 class SettingsError(ValueError):
@@ -42,6 +45,9 @@ class Settings:
     ``sync_ranks``: under torch.distributed with more than one rank, agree on one level per micro-batch (the
     ranks' maximum) with one small collective, and gather the worst rank's memory at the end of training;
     off means autooffload makes no collective at all (ranks that do not run the same model, e.g. pipeline stages).
+    ``host_memory``: the host memory offload may hold on this node, shared by its ranks (``LOCAL_WORLD_SIZE``):
+    a fraction of host RAM (``"0.5"``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``, half of the host
+    memory available at start. Every level is capped at what fits (:mod:`autooffload.apply.host_memory`).
     """
 
     mode: str = "auto"
@@ -55,6 +61,7 @@ class Settings:
     policy: str = "predictive"
     rescue: bool = True
     sync_ranks: bool = True
+    host_memory: str = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -120,6 +127,47 @@ def offload_mode(value: Any) -> str | None:
     raise SettingsError(f"checkpointing kwarg offload={value!r} is not one of True, False, 'auto'")
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+
+
+def parse_host_memory(text: str) -> tuple[str, float]:
+    """``"auto"``, a fraction of host RAM in (0, 1] (``"0.5"``) or a size (``"64GiB"``, ``"512MiB"``, ``"8GB"``).
+
+    Returns ``("auto", DEFAULT_HOST_SHARE)``, ``("fraction", f)`` or ``("bytes", n)``; ValueError otherwise.
+    """
+    text = text.strip().lower()
+    if text == "auto":
+        return "auto", DEFAULT_HOST_SHARE
+    match = _SIZE.match(text)
+    if match is None or match.group(2) not in _UNITS:
+        raise ValueError(text)
+    number, unit = float(match.group(1)), match.group(2)
+    if unit == "":
+        if not 0.0 < number <= 1.0:
+            raise ValueError(text)
+        return "fraction", number
+    size = number * _UNITS[unit]
+    if size < PAGE:
+        raise ValueError(text)
+    return "bytes", size
+
+
 def _env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
@@ -143,6 +191,14 @@ def _parse(key: str, raw: str, kind: type) -> Any:
     return text.lower()
 
 
+def _host_memory_ok(value: str) -> bool:
+    try:
+        parse_host_memory(value)
+    except ValueError:
+        return False
+    return True
+
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -158,6 +214,7 @@ _ALLOWED = {
     "min_steps": ("an integer >= 0", lambda v: v >= 0),
     "compile_max_switches": ("an integer >= 0", lambda v: v >= 0),
     "sync_ranks": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
+    "host_memory": ("'auto', a fraction of host RAM in (0, 1] or a size such as 64GiB or 512MiB", _host_memory_ok),
 }
 
 

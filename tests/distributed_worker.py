@@ -7,7 +7,8 @@ micro-batch and the other a short one (``LENGTHS``), so only an agreement makes 
 - ``trainer_ddp``: Trainer with ``use_cpu=True, ddp_backend="gloo"``, transformers' checkpointing.
 - ``fsdp2``: a raw loop over a ``fully_shard`` model whose layers are wrapped the way accelerate's FSDP2
   ``activation_checkpointing`` wraps them (``checkpoint_wrapper(layer, preserve_rng_state=False)``), trained
-  twice: with the agreement and without it.
+  three times: with the agreement, without it, and with the agreement over a gloo side group (the default
+  group is gloo here too, so the backend check is told it is not, as it would be under NCCL).
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ class RecordingPolicy(HysteresisPolicy):
 
 
 def count_collectives() -> list[int]:
-    """Count the agreement collectives this process makes."""
-    calls = [0]
+    """Count the agreement collectives this process makes; ``calls[1]``: those over a gloo side group."""
+    calls = [0, 0]
     real = autooffload_distributed.all_reduce_max
 
-    def counting(value: int) -> int:
+    def counting(values: list[int], group=None) -> list[int]:
         calls[0] += 1
-        return real(value)
+        calls[1] += int(group is not None and group.side)
+        return real(values, group)
 
     autooffload_distributed.all_reduce_max = counting
     return calls
@@ -226,7 +228,12 @@ def fsdp2(rank: int, out: Path) -> dict:
     synced["collectives"] = calls[0]
     alone = fsdp2_run(rank, sync=False)
     alone["collectives"] = calls[0] - synced["collectives"]
-    return {"world_size": torch.distributed.get_world_size(), "synced": synced, "alone": alone}
+    autooffload_distributed.takes_cpu_tensors = lambda: False
+    side = fsdp2_run(rank, sync=True)
+    side["collectives"] = calls[0] - synced["collectives"] - alone["collectives"]
+    side["side_collectives"] = calls[1]
+    result = {"synced": synced, "alone": alone, "side": side}
+    return {"world_size": torch.distributed.get_world_size(), **result}
 
 
 def main() -> None:

@@ -67,12 +67,18 @@ def fake_group(monkeypatch, group_level: int) -> list[int]:
     """Two ranks, the other one asking for ``group_level``; returns the values this rank sent."""
     sent: list[int] = []
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(distributed, "all_reduce_max", lambda value: sent.append(value) or max(value, group_level))
+
+    def group(values, group=None):
+        level, cap = values
+        sent.append(level)
+        return [max(level, group_level), cap]
+
+    monkeypatch.setattr(distributed, "all_reduce_max", group)
     return sent
 
 
 def test_without_a_process_group_no_collective_is_made(monkeypatch):
-    def no_collective(value):
+    def no_collective(values, group=None):
         raise AssertionError("collective without a process group")
 
     monkeypatch.setattr(distributed, "all_reduce_max", no_collective)
@@ -96,7 +102,7 @@ def test_the_group_level_runs_and_the_policy_follows_it(monkeypatch, name):
     assert (policy.offloading, policy.last_switch_step) == (True, 0)
     controller.end_step()
 
-    monkeypatch.setattr(distributed, "all_reduce_max", lambda value: sent.append(value) or value)
+    monkeypatch.setattr(distributed, "all_reduce_max", lambda values, group=None: sent.append(values[0]) or values)
     assert controller.before_forward(64, 64) == LAYERS  # inside the dwell: still on, now by its own decision
     controller.end_step()
     controller.end_step()
@@ -125,6 +131,18 @@ def test_a_policy_without_agreed_keeps_its_own_state(monkeypatch):
     controller = OffloadController(Settings(), probe=None, policy=Stateless())
     controller.attach(net)
     assert controller.before_forward(64, 64) == LAYERS
+
+
+def test_the_group_runs_the_smallest_host_cap(monkeypatch):
+    sent: list[list[int]] = []
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    # The other rank asks for no offload, but its host budget holds only one layer's input.
+    monkeypatch.setattr(
+        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], -1]
+    )
+    controller = attached(Settings(seq_high=200, seq_low=100, policy="hysteresis"))
+    assert controller.before_forward(256, 256) == 1
+    assert sent == [[LAYERS, -LAYERS]]  # this rank: all layers, and its budget (the default) holds them all
 
 
 def test_summary_names_the_worst_rank():
@@ -208,5 +226,10 @@ def test_fsdp2_ranks_switch_together_and_losses_equal_one_process(tmp_path):
         assert [level for _, level in alone["levels"]] == alone["local"]
         assert synced["losses"] == pytest.approx([pair[rank] for pair in reference], rel=1e-5)
         assert alone["losses"] == pytest.approx(synced["losses"], rel=1e-5)
+        # Over a gloo side group made at attach: the same levels and the same losses, every collective on it.
+        side = result["side"]
+        assert side["levels"] == synced["levels"] and side["step_bytes"] == synced["step_bytes"]
+        assert side["collectives"] == side["side_collectives"] == len(LENGTHS)
+        assert side["losses"] == synced["losses"]
     assert [level for _, level in ranks[0]["alone"]["levels"]] == [0, every, 0, 0]
     assert [level for _, level in ranks[1]["alone"]["levels"]] == [0, 0, 0, every]

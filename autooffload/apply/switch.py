@@ -41,6 +41,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..warn import WarnOnce
+from .host_memory import HostMemory
 from .offload import OffloadStats, SyncEngine
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
@@ -238,13 +239,15 @@ class OffloadEngine(Protocol):
         """A top-level training forward begins: its layer calls form one chain, apart from earlier forwards'."""
 
 
-def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
+def make_engine(
+    name: str, stats: OffloadStats, modules: list[torch.nn.Module], host: HostMemory | None = None
+) -> OffloadEngine:
     if name == "sync":
-        return SyncEngine(stats)
+        return SyncEngine(stats, host)
     if name == "stream":
-        from .stream_engine import StreamEngine
+        from .stream_engine import HostPool, StreamEngine
 
-        return StreamEngine(stats, modules=modules)
+        return StreamEngine(stats, modules=modules, pool=HostPool(host))
     raise ValueError(f"unknown offload engine {name!r}")
 
 
@@ -329,6 +332,7 @@ class CheckpointSwitch:
     container target, its calls in one forward (:class:`LayerCalls`). Other stacks (a VLM's vision blocks)
     and outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`OffloadEngine`.
+    ``host``: where a named engine takes its host buffers (default: a manager of its own).
     """
 
     def __init__(
@@ -337,11 +341,12 @@ class CheckpointSwitch:
         stats: OffloadStats,
         engine: str | OffloadEngine = "sync",
         warn: WarnOnce | None = None,
+        host: HostMemory | None = None,
     ) -> None:
         self.targets = targets
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
-        self.engine = make_engine(engine, stats, modules) if isinstance(engine, str) else engine
+        self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
         self.forward = ForwardState()
         self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}

@@ -38,6 +38,8 @@ class Observation:
     (the optimizer state before the first ``optimizer.step()``). ``last_step_clean``: False when an evaluation
     or a checkpoint save ran between the last two readings, so the reading may hold more than training needs
     and is no sample of it.
+    ``host_layers``: the most layers whose saved inputs fit the host memory budget for this micro-batch (the
+    controller caps every answer at it; ``None``: no cap known).
     """
 
     step: int
@@ -54,6 +56,7 @@ class Observation:
     layer_work_bytes_per_token: float | None = None
     pending_bytes: int = 0
     last_step_clean: bool = True
+    host_layers: int | None = None
 
 
 class Policy(Protocol):
