@@ -23,6 +23,7 @@ fallback.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from .apply.switch import CheckpointSwitch, find_targets
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
 from .distributed import RankPeak, agree, worst_rank
+from .history import HistoryRecorder, StepRecord, fixed_reason, policy_reason
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
 from .warn import WarnOnce
@@ -126,6 +128,8 @@ class OffloadController:
         self.level: int | None = None
         self.worst_rank: RankPeak | None = None
         self.warn = WarnOnce()
+        self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
+        self.recorder = HistoryRecorder()
 
     # ---- apply ---------------------------------------------------------------------------------------
 
@@ -205,8 +209,12 @@ class OffloadController:
             return 0
         self._settle_budget()
         self.last_seq_len, self.last_tokens = seq_len, tokens
-        level = agree(self, self._decide(seq_len, tokens))
-        if level != self.switch.offloaded and self._micro_batches > 0:
+        decided = self._decide(seq_len, tokens)
+        level = agree(self, decided)
+        if level != decided:
+            self.reason = "rank_agreement"
+        switched = level != self.switch.offloaded and self._micro_batches > 0
+        if switched:
             self.switches += 1
             logger.info(
                 "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s)",
@@ -222,6 +230,7 @@ class OffloadController:
         self._offloaded_this_step |= level > 0
         self._layer_tokens += self.switch.offloaded * tokens
         self._micro_batches += 1
+        self.recorder.micro_batch(self, seq_len, tokens, switched)
         return level
 
     def _fixed_level(self) -> int | None:
@@ -236,8 +245,10 @@ class OffloadController:
         assert self.switch is not None
         fixed = self._fixed_level()
         if fixed is not None:
+            self.reason = fixed_reason(self.latched, self.rescuing, self.settings.mode)
             return fixed
         if self._policy_failed:
+            self.reason = "policy_failed"
             return 0
         layers = len(self.switch.layers)
         observation = Observation(
@@ -253,13 +264,16 @@ class OffloadController:
             last_step_rescued=self.last_step_rescued,
         )
         try:
-            return max(0, min(int(self.policy.decide(observation)), layers))
+            level = max(0, min(int(self.policy.decide(observation)), layers))
         except Exception as error:  # a user's policy must not end the run
             self._policy_failed = True
+            self.reason = "policy_failed"
             self.warn(
                 "policy", f"policy {type(self.policy).__name__} raised {error!r}; plain checkpointing from now on"
             )
             return 0
+        self.reason = policy_reason(self.policy)
+        return level
 
     def _settle_budget(self) -> None:
         if not self.compiled:
@@ -286,6 +300,7 @@ class OffloadController:
             return False
         self.rescues += 1
         self.rescuing = True
+        self.recorder.rescue()
         logger.warning(
             "autooffload: step %d ran out of device memory; rerunning it with all %d layer(s) offloaded",
             self.step,
@@ -309,6 +324,33 @@ class OffloadController:
         if self.memory_fraction is not None:
             self.peak_memory_fraction = max(self.peak_memory_fraction or 0.0, self.memory_fraction)
         self.step += 1
+        if self.switch is not None:
+            self._record_step()
+
+    # ---- history -------------------------------------------------------------------------------------
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One record per optimizer step not yet written (autooffload.history describes the fields)."""
+        return self.recorder.pending
+
+    def write_history(self, path: str | os.PathLike) -> int:
+        """Append the records not yet written to ``path`` (JSON Lines) and forget them; returns how many.
+        A file that cannot be written gives one warning; the records wait for the next call."""
+        try:
+            return self.recorder.write(path)
+        except OSError as error:
+            self.warn("history-write", f"cannot write the history to {path} ({error}); the records wait in memory")
+            return 0
+
+    def _record_step(self) -> None:
+        self.recorder.end_step(self)
+        if self.recorder.dropped:
+            self.warn(
+                "history-dropped",
+                f"{self.recorder.limit} history records were never written; the oldest are dropped "
+                "(call controller.write_history(path) now and then)",
+            )
 
     def _read_memory(self) -> float | None:
         self.memory_bytes = None
