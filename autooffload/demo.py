@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autooffload demo", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-high", type=int, default=256, help="sequence length that turns offload on")
     parser.add_argument("--seq-low", type=int, default=128, help="sequence length below which it may turn off")
-    parser.add_argument("--min-steps", type=int, default=1)
+    parser.add_argument("--min-steps", type=int, default=2, help="steps after a switch before it may turn off")
     parser.add_argument("--output-dir", default="/tmp/autooffload-demo")
     options = parser.parse_args(argv)
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers.autooffload").setLevel(logging.INFO)
     warnings.simplefilter("ignore", FutureWarning)
     layers, hidden = 4, 64
-    lengths = [64, 64, 512, 64, 64, 64, 64, 384, 512, 64, 64, 64]
+    lengths = [64, 64, 512, 64, 64, 200, 64, 384, 512, 64, 64, 64]
     model = tiny_qwen3(layers, hidden)
     callback = AutoOffloadCallback(seq_high=options.seq_high, seq_low=options.seq_low, min_steps=options.min_steps)
     controller = callback.controller

@@ -77,7 +77,8 @@ def draw(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Pat
         mem_ax.plot(steps, memory, marker="o", markersize=3, color="tab:blue", label="reading")
         predicted = [_fraction(r.get("predicted_peak_bytes"), r.get("total_bytes")) for r in records]
         if any(p is not None for p in predicted):
-            mem_ax.plot(steps, predicted, marker="x", linestyle="--", color="tab:purple", label="predicted peak")
+            label = "predicted peak,\nnone offloaded"
+            mem_ax.plot(steps, predicted, marker="x", linestyle="--", color="tab:purple", label=label)
         threshold(mem_ax, "memory_high", "--", "tab:red")
         threshold(mem_ax, "memory_low", ":", "tab:orange")
     else:
@@ -85,15 +86,21 @@ def draw(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Pat
                     transform=mem_ax.transAxes, color="gray")  # fmt: skip
     mem_ax.set_ylabel("memory fraction")
 
+    kept_xs, kept = micro("kept")
+    shift = 0.12 if kept else 0.0  # side by side where both are recorded
     xs, levels = micro("offloaded")
-    level_ax.scatter(xs, levels, s=14, color="tab:green", label="offloaded", zorder=3)
-    xs, kept = micro("kept")
+    level_ax.scatter([x - shift for x in xs], levels, s=14, color="tab:green", label="offloaded", zorder=3)
     if kept:
-        level_ax.scatter(xs, kept, s=14, marker="s", color="tab:gray", label="kept", zorder=3)
-    switched = [r["step"] for r in records if r.get("switches")]
+        level_ax.scatter([x + shift for x in kept_xs], kept, s=14, marker="s", color="tab:gray", label="kept")
+    switched = [r for r in records if r.get("switches")]
     if switched:
-        top = max(r.get("layers") or 0 for r in records)
-        level_ax.scatter(switched, [top + 0.4] * len(switched), marker="v", color="black", label="switch")
+        top = max(r.get("layers") or 0 for r in records) + 0.5
+        level_ax.scatter([r["step"] for r in switched], [top] * len(switched), marker="v", color="black",
+                         label="switch (why)")  # fmt: skip
+        for r in switched:
+            why = (r.get("reasons") or ["?"])[-1]
+            level_ax.annotate(str(why), (r["step"], top), xytext=(4, -3), textcoords="offset points", fontsize=7)
+        level_ax.set_ylim(-0.5, top + 1)
     level_ax.set_ylabel("layers")
     level_ax.yaxis.get_major_locator().set_params(integer=True)
 
@@ -104,7 +111,8 @@ def draw(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Pat
     rescued = [r["step"] for r in records if r.get("rescued")]
     for ax in (seq_ax, mem_ax, level_ax, bytes_ax):
         for i, step in enumerate(rescued):
-            ax.axvline(step, color="tab:red", alpha=0.3, linewidth=4, label="rescue" if i == 0 else None)
+            first = i == 0 and ax is seq_ax
+            ax.axvline(step, color="tab:red", alpha=0.3, linewidth=4, label="rescued step" if first else None)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
         ax.grid(alpha=0.3)
