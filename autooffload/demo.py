@@ -116,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(controller.summary())
     print(f"history: {callback.history_path}")
-    _plot(records, callback.history_path.with_suffix(".png"))
+    _plot(records, callback.history_path.with_suffix(".png"), args.device.type)
     return 0 if ok else 1
 
 
-def _plot(records: list[dict], out: Path) -> None:
+def _plot(records: list[dict], out: Path, device: str) -> None:
     from .plot import EXTRA_HINT, draw
 
+    title = f"autooffload demo: tiny Qwen3, mixed lengths, {device.upper()}"
     try:
-        print(f"plot:    {draw(records, out, title='autooffload demo: tiny Qwen3, mixed lengths, CPU')}")
+        print(f"plot:    {draw(records, out, title=title)}")
     except ImportError:
         print(f"plot:    skipped ({EXTRA_HINT})")
