@@ -12,7 +12,7 @@ from conftest import HIDDEN, LAYERS, InOrderTrainer, dataset, model, train, trai
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, ScriptedProbe, Settings
 from autooffload.__main__ import main as cli
-from autooffload.history import history_path, read_history
+from autooffload.history import REASONS, history_path, read_history
 
 # Two micro-batches per step (gradient accumulation 2); the memory reading of step n decides step n + 1.
 MICRO_BATCHES = [64, 64, 64, 256, 64, 64, 64, 64, 150, 64]
@@ -56,6 +56,7 @@ def test_history_equals_the_logs_and_the_arithmetic_step_by_step(hysteresis_run)
     assert [r["memory_fraction"] for r in records] == pytest.approx(CURVE)
     assert list(itertools.accumulate(r["switches"] for r in records)) == [h["autooffload/switches"] for h in logs]
     assert records[0]["layers"] == LAYERS and records[0]["seq_high"] == 200 and records[0]["memory_high"] == 0.9
+    assert {reason for r in records for reason in r["reasons"]} <= REASONS.keys()
 
 
 def test_predicted_peak_and_reasons_of_the_predictive_and_of_a_users_policy(tmp_path):
