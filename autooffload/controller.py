@@ -24,6 +24,7 @@ fallback.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, opt
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
 from .distributed import AgreementGroup, RankPeak, agree, world_size, worst_rank
+from .history import HistoryRecorder, StepRecord, fixed_reason, policy_reason
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
 from .warn import WarnOnce
@@ -206,6 +208,8 @@ class OffloadController:
         self.level: int | None = None
         self.worst_rank: RankPeak | None = None
         self.warn = WarnOnce()
+        self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
+        self.recorder = HistoryRecorder()
 
     # ---- apply ---------------------------------------------------------------------------------------
 
@@ -350,7 +354,10 @@ class OffloadController:
         cap = self._host_cap(tokens)
         decided = self._capped(self._decide(seq_len, tokens, cap), cap) if self.switch.layers else 0
         level = agree(self, decided, cap)
-        if level != self.switch.offloaded and self._micro_batches > 0:
+        if level != decided:
+            self.reason = "rank_agreement"
+        switched = level != self.switch.offloaded and self._micro_batches > 0
+        if switched:
             self.switches += 1
             logger.info(
                 "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s)",
@@ -366,6 +373,7 @@ class OffloadController:
         self._offloaded_this_step |= level > 0
         self._layer_tokens += self.switch.offloaded * tokens
         self._micro_batches += 1
+        self.recorder.micro_batch(self, seq_len, tokens, switched)
         return level
 
     def _fixed_level(self) -> int | None:
@@ -390,6 +398,7 @@ class OffloadController:
     def _capped(self, level: int, cap: int | None) -> int:
         if cap is None or level <= cap:
             return level
+        self.reason = "host_cap"
         if not self._cap_logged:
             self._cap_logged = True
             logger.info(
@@ -408,8 +417,10 @@ class OffloadController:
         assert self.switch is not None
         fixed = self._fixed_level()
         if fixed is not None:
+            self.reason = fixed_reason(self.latched, self.rescuing, self.settings.mode)
             return fixed
         if self._policy_failed:
+            self.reason = "policy_failed"
             return 0
         layers = len(self.switch.layers)
         observation = Observation(
@@ -430,13 +441,16 @@ class OffloadController:
             host_layers=host_layers,
         )
         try:
-            return max(0, min(int(self.policy.decide(observation)), layers))
+            level = max(0, min(int(self.policy.decide(observation)), layers))
         except Exception as error:  # a user's policy must not end the run
             self._policy_failed = True
+            self.reason = "policy_failed"
             self.warn(
                 "policy", f"policy {type(self.policy).__name__} raised {error!r}; plain checkpointing from now on"
             )
             return 0
+        self.reason = policy_reason(self.policy)
+        return level
 
     def _settle_budget(self) -> None:
         if not self.compiled:
@@ -467,6 +481,7 @@ class OffloadController:
         self.rescues += 1
         self.rescuing = True
         self._tried_bytes = max(self._tried_bytes or 0, tried_bytes or 0)
+        self.recorder.rescue()
         logger.warning(
             "autooffload: step %d ran out of device memory; rerunning it with all %d layer(s) offloaded",
             self.step,
@@ -517,6 +532,8 @@ class OffloadController:
         self._step_begun = False
         self.step += 1
         self.host.end_step()
+        if self.switch is not None:
+            self._record_step()
 
     def _pending_optimizer_bytes(self) -> int:
         """Optimizer state that did not exist when the step just read began, so its reading lacks it."""
@@ -524,6 +541,31 @@ class OffloadController:
             return 0
         expected = optimizer_state_bytes(self.optimizer)[1]
         return max(0, expected - self._state_at_start) if expected is not None else 0
+
+    # ---- history -------------------------------------------------------------------------------------
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One record per optimizer step not yet written (autooffload.history describes the fields)."""
+        return self.recorder.pending
+
+    def write_history(self, path: str | os.PathLike) -> int:
+        """Append the records not yet written to ``path`` (JSON Lines) and forget them; returns how many.
+        A file that cannot be written gives one warning; the records wait for the next call."""
+        try:
+            return self.recorder.write(path)
+        except OSError as error:
+            self.warn("history-write", f"cannot write the history to {path} ({error}); the records wait in memory")
+            return 0
+
+    def _record_step(self) -> None:
+        self.recorder.end_step(self)
+        if self.recorder.dropped:
+            self.warn(
+                "history-dropped",
+                f"{self.recorder.limit} history records were never written; the oldest are dropped "
+                "(call controller.write_history(path) now and then)",
+            )
 
     def _read_memory(self) -> float | None:
         self.memory_bytes = None

@@ -21,6 +21,7 @@ from distributed_worker import LAYERS as WORKER_LAYERS
 
 from autooffload import AutoOffloadCallback, HysteresisPolicy, OffloadController, Settings, SettingsError, distributed
 from autooffload.distributed import RankPeak
+from autooffload.history import read_history
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 180
@@ -208,6 +209,17 @@ def test_trainer_ddp_ranks_switch_together(tmp_path):
     (summary,) = ranks[0]["summaries"]
     assert summary.endswith("peak memory 0.30 of device, worst of 2 ranks: rank 1 at 0.50")
     assert ranks[1]["summaries"] == []
+    # Each rank writes its own history; a level taken from the group is marked as such.
+    reasons = [
+        ["below_high", "seq_high", "below_low", "rank_agreement"],
+        ["below_high", "rank_agreement", "below_low", "seq_high"],
+    ]
+    for rank in range(2):
+        records = read_history(tmp_path / "trainer" / "autooffload" / f"history-rank{rank}.jsonl")
+        assert [r["seq_lens"] for r in records] == [[pair[rank]] for pair in LENGTHS]
+        assert [r["offloaded"] for r in records] == [[0], [every], [0], [every]]
+        assert [r["reasons"] for r in records] == [[reason] for reason in reasons[rank]]
+    assert not (tmp_path / "trainer" / "autooffload" / "history.jsonl").exists()
 
 
 @needs_gloo
