@@ -231,7 +231,9 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
 
     lengths = [length for pair in LENGTHS for length in pair]
     # No ``offload`` key: the run without autooffload must checkpoint plainly on every transformers release.
-    plain_checkpointing = {k: {"use_reentrant": False} if k.endswith("_kwargs") else v for k, v in checkpointing_arguments().items()}
+    plain_checkpointing = {
+        k: {"use_reentrant": False} if k.endswith("_kwargs") else v for k, v in checkpointing_arguments().items()
+    }
     config = {
         "zero_optimization": {"stage": stage},
         "train_micro_batch_size_per_gpu": "auto",
@@ -261,13 +263,13 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
     callbacks = []
     if autooffload == "callback":
         callbacks.append(AutoOffloadCallback(probe=ScriptedProbe([0.30 + 0.20 * rank()]), policy=policy))
-    trainer = InOrderTrainer(
-        model=model, args=args, train_dataset=MixedLengths(lengths, VOCAB), callbacks=callbacks
-    )
+    trainer = InOrderTrainer(model=model, args=args, train_dataset=MixedLengths(lengths, VOCAB), callbacks=callbacks)
     if autooffload == "attach":
         attach(trainer, probe=ScriptedProbe([0.30 + 0.20 * rank()]), policy=policy)
     trainer.add_callback(record)  # after autooffload's: a step's bytes are read once its step has closed
-    autooffload_callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+    autooffload_callback = next(
+        (c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None
+    )
     levels: list = []
     if autooffload_callback is not None:
         record.controller = autooffload_callback.controller

@@ -242,11 +242,32 @@ def test_environment_mode_overrides_the_kwarg_and_arguments_override_both(tmp_pa
     assert callback.controller.settings.mode == "on"
 
 
+def pins_host_memory() -> bool:
+    """Whether this torch build pins host memory here: a CPU-only build cannot; a CUDA build can, GPU or not."""
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_without_the_callback_auto_is_not_autooffloads_business(tmp_path):
-    # What the callback repairs: on this release the bare kwarg either fails (no native offload: the key
-    # reaches torch's checkpoint) or offloads always with pinned memory (CPU-only torch: fails too).
-    with pytest.raises((ValueError, RuntimeError), match=r"offload|pin_memory|pinned"):
-        train(tmp_path, [64], offload="auto")
+    # What the callback repairs. Before 5.17 the bare kwarg reaches torch's checkpoint and fails. From 5.17
+    # any truthy value is transformers' own always-on offload, save_on_cpu with pinned memory: it fails where
+    # this torch build cannot pin, and otherwise trains with transformers' function on every layer.
+    import transformers
+    from packaging.version import Version
+
+    from autooffload.apply.paths import describe
+
+    native_offload = Version(transformers.__version__) >= Version("5.17")
+    if not (native_offload and pins_host_memory()):
+        with pytest.raises((ValueError, RuntimeError), match=r"offload|pin_memory|pinned"):
+            train(tmp_path, [64], offload="auto")
+        return
+    _, net = train(tmp_path, [64], offload="auto")
+    functions = {describe(layer._gradient_checkpointing_func) for layer in net.model.layers}
+    assert len(functions) == 1 and functions.pop().startswith("transformers.")
 
 
 def test_bad_offload_kwarg_fails_before_training(tmp_path):
