@@ -9,6 +9,7 @@ environment.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,8 @@ from autooffload.distributed import RankPeak
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 180
-DEEPSPEED_TIMEOUT_S = 480  # three Trainer runs, and the communication op's first build on a busy machine
+DEEPSPEED_TIMEOUT_S = 300  # three Trainer runs on a busy machine
+BUILD_TIMEOUT_S = 600  # DeepSpeed's communication op, built once: about 45 s idle, minutes on a loaded machine
 # One build directory per Python environment: a build made against another environment's torch headers is
 # rebuilt, so the two environments of ./dev test would otherwise rebuild each other's op on every run.
 TORCH_EXTENSIONS_DIR = (
@@ -148,14 +151,16 @@ def test_summary_names_the_worst_rank():
 # ---- two processes, gloo ---------------------------------------------------------------------------------
 
 
-def run_ranks(scenario: str, out: Path, timeout_s: int = TIMEOUT_S) -> list[dict]:
-    """Run the worker on two ranks; kill its whole process group if it overruns; return each rank's JSON."""
+def worker_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOOFFLOAD_", "ACCELERATE_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(TESTS / "distributed_worker.py"), scenario, str(out)]
+    return env
+
+
+def run_bounded(command: list[str], env: dict[str, str], timeout_s: int, what: str) -> str:
+    """Run ``command``; kill its whole process group if it overruns; fail unless it exits 0. Returns its output."""
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -164,8 +169,16 @@ def run_ranks(scenario: str, out: Path, timeout_s: int = TIMEOUT_S) -> list[dict
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"{scenario} did not finish in {timeout_s} s:\n{output[-4000:]}")
+        pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-4000:]}")
     assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def run_ranks(scenario: str, out: Path, timeout_s: int = TIMEOUT_S) -> list[dict]:
+    """Run the worker on two ranks; kill its whole process group if it overruns; return each rank's JSON."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(TESTS / "distributed_worker.py"), scenario, str(out)]
+    run_bounded(command, worker_environment(), timeout_s, scenario)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -224,12 +237,33 @@ def test_fsdp2_ranks_switch_together_and_losses_equal_one_process(tmp_path):
     assert [level for _, level in ranks[1]["alone"]["levels"]] == [0, 0, 0, every]
 
 
+@pytest.fixture(scope="module")
+def deepspeed_comm_op() -> None:
+    """Build DeepSpeed's communication op once, in one process, before any rank needs it.
+
+    torch guards a build with a lock file that a killed build leaves behind, and every later build then waits
+    on it forever. Builds started here hold an ``flock`` (released when its holder dies, so two test sessions
+    never build at once), under which a lock file older than a no-op rebuild can be is such a leftover.
+    """
+    env = worker_environment()
+    extensions = Path(env["TORCH_EXTENSIONS_DIR"])
+    extensions.mkdir(parents=True, exist_ok=True)
+    with open(extensions / "autooffload-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for stale in extensions.glob("*/lock"):
+            if time.time() - stale.stat().st_mtime > 30:
+                stale.unlink()
+        command = [sys.executable, "-c", "import deepspeed.comm.torch as c; assert c.build_shm_op() is not None"]
+        output = run_bounded(command, env, BUILD_TIMEOUT_S, "building DeepSpeed's communication op")
+        assert "built successfully" in output, output[-4000:]
+
+
 @needs_gloo
 @pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (./dev installs it)"
 )
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_trainer(tmp_path, stage):
+def test_deepspeed_zero_trainer(tmp_path, stage, deepspeed_comm_op):
     """Trainer under ZeRO-2/3, two gloo ranks, one long micro-batch and one short at each step. Three runs in
     one process group: with ``attach(trainer)`` (saving at step 2), without autooffload, and resumed from the
     DeepSpeed checkpoint of step 2 with the callback."""
