@@ -205,6 +205,7 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
     """One Trainer run under ZeRO-``stage``: ``autooffload`` is "attach", "callback" or "none"."""
     import warnings
 
+    from torch.utils.data import SequentialSampler
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from autooffload import AutoOffloadWarning, attach
@@ -226,8 +227,6 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
-
-    from torch.utils.data import SequentialSampler
 
     lengths = [length for pair in LENGTHS for length in pair]
     # No ``offload`` key: the run without autooffload must checkpoint plainly on every transformers release.
@@ -260,23 +259,19 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
     record = Record()
     policy = RecordingPolicy()
     model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
-    callbacks = []
-    if autooffload == "callback":
-        callbacks.append(AutoOffloadCallback(probe=ScriptedProbe([0.30 + 0.20 * rank()]), policy=policy))
-    trainer = InOrderTrainer(model=model, args=args, train_dataset=MixedLengths(lengths, VOCAB), callbacks=callbacks)
-    if autooffload == "attach":
-        attach(trainer, probe=ScriptedProbe([0.30 + 0.20 * rank()]), policy=policy)
-    trainer.add_callback(record)  # after autooffload's: a step's bytes are read once its step has closed
-    autooffload_callback = next(
-        (c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None
-    )
-    levels: list = []
-    if autooffload_callback is not None:
-        record.controller = autooffload_callback.controller
-        levels = record_levels(record.controller)
+    probe = ScriptedProbe([0.30 + 0.20 * rank()])
     calls = count_collectives()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AutoOffloadWarning)
+        callbacks = [AutoOffloadCallback(probe=probe, policy=policy)] if autooffload == "callback" else []
+        dataset = MixedLengths(lengths, VOCAB)
+        trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+        if autooffload == "attach":
+            attach(trainer, probe=probe, policy=policy)
+        trainer.add_callback(record)  # after autooffload's: a step's bytes are read once its step has closed
+        ours = next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+        levels = record_levels(ours.controller) if ours is not None else []
+        record.controller = ours.controller if ours is not None else None
         trainer.train(resume_from_checkpoint=resume)
     digest, sharded = gathered_digest(model)
     result = {
@@ -286,13 +281,15 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
         "engine": type(trainer.model_wrapped).__name__,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
     }
-    if autooffload_callback is not None:
+    if ours is not None:
         result.update(
+            rescue_wrapped=bool(getattr(trainer.training_step, "_autooffload_rescue", False)),
+            rescue_setting=ours.controller.settings.rescue,
             levels=levels,
             local=policy.local,
             step_bytes=record.step_bytes,
             collectives=calls[0],
-            state=autooffload_callback.controller.state_dict(),
+            state=ours.controller.state_dict(),
         )
     return result
 

@@ -253,7 +253,11 @@ def deepspeed_comm_op() -> None:
         for stale in extensions.glob("*/lock"):
             if time.time() - stale.stat().st_mtime > 30:
                 stale.unlink()
-        command = [sys.executable, "-c", "import deepspeed.comm.torch as c; assert c.build_shm_op() is not None"]
+        command = [
+            sys.executable,
+            "-c",
+            "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None",
+        ]
         output = run_bounded(command, env, BUILD_TIMEOUT_S, "building DeepSpeed's communication op")
         assert "built successfully" in output, output[-4000:]
 
@@ -293,6 +297,9 @@ def test_deepspeed_zero_trainer(tmp_path, stage, deepspeed_comm_op):
         assert {k: v for k, v in resumed["state"].items() if k != "total_bytes"} == {
             k: v for k, v in attached["state"].items() if k != "total_bytes"
         }
+        # attach() under DeepSpeed: the rescue wraps training_step (it refuses multi-process runs when an
+        # out-of-memory error comes), and nothing warns.
+        assert attached["rescue_wrapped"] is True and attached["rescue_setting"] is True
         assert attached["warnings"] == [] and resumed["warnings"] == []
     assert ranks[0]["attach"]["local"] == [0, every, 0, 0] and ranks[1]["attach"]["local"] == [0, 0, 0, every]
     assert ranks[0]["resumed"]["state"] == ranks[0]["attach"]["state"]
