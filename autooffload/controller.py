@@ -536,11 +536,16 @@ class OffloadController:
             self._record_step()
 
     def _pending_optimizer_bytes(self) -> int:
-        """Optimizer state that did not exist when the step just read began, so its reading lacks it."""
-        if self.optimizer is None:
+        """Optimizer state that did not exist when the step just read began, so its reading lacks it.
+
+        Only while the state is still empty at a step's start (torch's optimizers create it whole at their
+        first ``step()``): once any exists, what the count says of it (ZeRO's partitions, a state restored
+        on resume) is noise, not state still to come, and a resumed run must decide as the uninterrupted one.
+        """
+        if self.optimizer is None or self._state_at_start > 0:
             return 0
         expected = optimizer_state_bytes(self.optimizer)[1]
-        return max(0, expected - self._state_at_start) if expected is not None else 0
+        return max(0, expected) if expected is not None else 0
 
     # ---- history -------------------------------------------------------------------------------------
 
