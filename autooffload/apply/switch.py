@@ -345,6 +345,7 @@ class CheckpointSwitch:
         self.forward = ForwardState()
         self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
+        self._hooks: list[Any] = []
         self.layers = [LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)]
         self._offload = [
             self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
@@ -356,6 +357,7 @@ class CheckpointSwitch:
                 self._calls[id(target)] = calls
                 self.forward.calls.append(calls)
                 setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target))
+                self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
         self.offloaded = -1
@@ -385,15 +387,34 @@ class CheckpointSwitch:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
         container called its function more often in one forward than its stack has layers."""
         for calls in self._calls.values():
-            if calls.count > len(calls.functions):
-                target = calls.target
-                self.warn(
-                    f"container-calls:{target.name}",
-                    f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
-                    f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
-                    "those run plain checkpointing",
-                )
+            self._restart(calls)
         self.forward.new_forward()
+
+    def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
+        """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
+        also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
+
+        def restart(module: torch.nn.Module, args: tuple) -> None:
+            self._restart(calls)
+
+        return restart
+
+    def _restart(self, calls: LayerCalls) -> None:
+        if calls.count > len(calls.functions):
+            target = calls.target
+            self.warn(
+                f"container-calls:{target.name}",
+                f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
+                f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
+                "those run plain checkpointing",
+            )
+        calls.count = 0
+
+    def close(self) -> None:
+        """Remove the hooks this switch put on container modules (the switch is being replaced or detached)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _install(self, target: CheckpointTarget, function: Callable[..., Any]) -> None:
         setattr(target.module, target.attribute, function)
