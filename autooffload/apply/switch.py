@@ -14,11 +14,12 @@ itself is a *container*: its forward calls ``self._gradient_checkpointing_func(l
 ...)`` once per layer (many model files on 4.52, remote code on any release), so its calls within one forward
 are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
 is known before the first forward, and an installed dispatcher (:class:`LayerCalls`) runs call i with layer
-i's function, counting from 0 again at every forward of the attached model. Layers are grouped in *stacks*
-(the ModuleList they share); only the stack that consumes the tokens (:func:`text_stack`) is planned, the
-others (a VLM's vision blocks) keep plain checkpointing. Of a layer call's saved inputs only the layer input
-moves (its first positional tensor): masks, position ids and position embeddings that reach the checkpoint
-as positional arguments stay, and so does an input already moved in the same forward.
+i's function, counting from 0 again at every forward of the container (a pre-forward hook on it) and of the
+attached model. Layers are grouped in *stacks* (the ModuleList they share); only the stack that consumes the
+tokens (:func:`text_stack`) is planned, the others (a VLM's vision blocks) keep plain checkpointing. Of a
+layer call's saved inputs only the layer input moves (its first positional tensor): masks, position ids and
+position embeddings that reach the checkpoint as positional arguments stay, and so does an input already
+moved in the same forward.
 
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
