@@ -262,6 +262,7 @@ class OffloadController:
             self._hook.remove()
             self._hook = None
         if self.switch is not None:
+            self.switch.close()
             if restore:
                 self.switch.restore()
             else:
@@ -302,6 +303,7 @@ class OffloadController:
                 "level 0 until it is turned on again",
             )
         level = max(self.switch.offloaded, 0)
+        self.switch.close()
         self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
         self.reinstalls += 1
         self._apply(level)

@@ -438,3 +438,47 @@ def test_each_forward_is_its_own_prefetch_chain():
     assert [c for c, source in fetched if source in held_by_a and c < at["backward A"]] == []
     assert {source for c, source in fetched if c > at["backward A"]} == held_by_a
     assert controller.stats.total_bytes == 2 * 2 * layer_bytes()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed, "fsdp"), reason="torch built without distributed")
+def test_fsdp2_parameters_without_a_plain_storage_do_not_stop_the_stream_engine(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    reference = train_steps(enable_checkpointing(model()), 2)[0]
+    net = enable_checkpointing(model())
+    for layer in net.model.layers:
+        fully_shard(layer)
+    fully_shard(net)  # parameters are DTensors now: no storage a data pointer can be read from
+    controller = OffloadController(Settings(mode="on", engine="stream"), probe=None)
+    assert controller.attach(net)
+    losses = train_steps(net, 2, on_step=lambda what: what == "step" and controller.end_step())[0]
+    assert losses == pytest.approx(reference, abs=1e-6)
+    assert controller.last_step_bytes == (LAYERS - 1) * layer_bytes()
+    controller.detach()
+
+
+def test_a_parameter_block_freed_after_construction_is_not_skipped_when_an_activation_gets_it():
+    memory = bytearray(64 * 64 * 4)  # stands in for a block the caching allocator hands out again
+
+    def block() -> torch.Tensor:
+        return torch.frombuffer(memory, dtype=torch.float32).view(64, 64)
+
+    module = torch.nn.Linear(64, 64, bias=False)
+    module.weight = torch.nn.Parameter(block())
+    engine = StreamEngine(OffloadStats(), modules=[module])
+    assert not engine.offloadable(module.weight.detach())
+    module.to(torch.float64)  # cast after attach: the parameter lives elsewhere, its old block is free
+    activation = block()
+    assert activation.untyped_storage().data_ptr() not in {p.untyped_storage().data_ptr() for p in module.parameters()}
+    assert engine.offloadable(activation)
+    engine.begin_forward()  # the controller calls it before every training forward
+    assert not engine.offloadable(module.weight.detach())

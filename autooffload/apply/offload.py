@@ -52,9 +52,13 @@ class _Loan:
         self.host.give(self.buffer)
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    """Which storage a tensor views; compared only while both tensors are alive."""
-    return tensor.device, tensor.untyped_storage().data_ptr()
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Which storage a tensor views; compared only while both tensors are alive. None for a tensor whose storage
+    cannot be read (a wrapper subclass, such as the DTensor parameters of an FSDP2-sharded model)."""
+    try:
+        return tensor.device, tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -66,10 +70,12 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, stats: OffloadStats, host: HostMemory, layer_input: torch.Tensor | None = None) -> None:
-        only = None if layer_input is None else storage_key(layer_input)
+        # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
+        # would never leave the device).
+        filtered, only = layer_input is not None, None if layer_input is None else storage_key(layer_input)
 
         def pack(tensor: torch.Tensor) -> tuple:
-            if only is not None and storage_key(tensor) != only:
+            if filtered and (only is None or storage_key(tensor) != only):
                 return tensor.device, tensor, None
             nbytes = tensor.numel() * tensor.element_size()
             if tensor.device.type == "cpu" and not host.pin:

@@ -225,10 +225,12 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
         self.engine = engine
         self.region = engine._open_region()
         region = self.region
-        only = None if layer_input is None else storage_key(layer_input)
+        # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
+        # would never leave the device).
+        filtered, only = layer_input is not None, None if layer_input is None else storage_key(layer_input)
 
         def pack(tensor: torch.Tensor) -> _Packed:
-            if only is not None and storage_key(tensor) != only:
+            if filtered and (only is None or storage_key(tensor) != only):
                 return _Packed(region, tensor=tensor)
             return engine._pack(tensor, region, keep)
 
@@ -259,11 +261,9 @@ class StreamEngine:
         self.streams = streams if streams is not None else Streams()
         self.pool = pool if pool is not None else HostPool()
         self.min_bytes = min_bytes
-        self.held = {
-            (tensor.device, tensor.untyped_storage().data_ptr())
-            for module in modules
-            for tensor in itertools.chain(module.parameters(), module.buffers())
-        }
+        self._modules = [weakref.ref(module) for module in modules]
+        self.held: dict[tuple[torch.device, int], list[weakref.ref]] = {}
+        self._find_held()
         self._last: weakref.ref | None = None
         self._unpacking: weakref.ref | None = None
         self._serial = 0
@@ -280,6 +280,16 @@ class StreamEngine:
         input the previous forward still held is let go of once its copy is done."""
         self._retire(before=self._serial + 1)
         self._last = None
+        self._find_held()
+
+    def _find_held(self) -> None:
+        """Where the parameters and buffers live now (a cast or move after attach puts them elsewhere)."""
+        self.held = {}
+        for module in (ref() for ref in self._modules):
+            for tensor in itertools.chain(module.parameters(), module.buffers()) if module is not None else ():
+                key = storage_key(tensor)
+                if key is not None:
+                    self.held.setdefault(key, []).append(weakref.ref(tensor))
 
     def _open_region(self) -> _Region:
         previous = self._last() if self._last is not None else None
@@ -314,8 +324,18 @@ class StreamEngine:
             and not tensor.is_conj()
             and not tensor.is_neg()
             and tensor.untyped_storage().nbytes() >= self.min_bytes
-            and (tensor.device, tensor.untyped_storage().data_ptr()) not in self.held
+            and not self._held(storage_key(tensor))
         )
+
+    def _held(self, key: tuple[torch.device, int] | None) -> bool:
+        """A parameter or buffer lives in this storage now: one seen at construction still exists and still has
+        it. A block freed since (a parameter moved or cast after attach) is the allocator's again, and the
+        activation it is handed to must move."""
+        for ref in self.held.get(key, ()) if key is not None else ():
+            tensor = ref()
+            if tensor is not None and storage_key(tensor) == key:
+                return True
+        return False
 
     def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:
         if keep or not self.offloadable(tensor):

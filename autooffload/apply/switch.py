@@ -14,11 +14,12 @@ itself is a *container*: its forward calls ``self._gradient_checkpointing_func(l
 ...)`` once per layer (many model files on 4.52, remote code on any release), so its calls within one forward
 are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
 is known before the first forward, and an installed dispatcher (:class:`LayerCalls`) runs call i with layer
-i's function, counting from 0 again at every forward of the attached model. Layers are grouped in *stacks*
-(the ModuleList they share); only the stack that consumes the tokens (:func:`text_stack`) is planned, the
-others (a VLM's vision blocks) keep plain checkpointing. Of a layer call's saved inputs only the layer input
-moves (its first positional tensor): masks, position ids and position embeddings that reach the checkpoint
-as positional arguments stay, and so does an input already moved in the same forward.
+i's function, counting from 0 again at every forward of the container (a pre-forward hook on it) and of the
+attached model. Layers are grouped in *stacks* (the ModuleList they share); only the stack that consumes the
+tokens (:func:`text_stack`) is planned, the others (a VLM's vision blocks) keep plain checkpointing. Of a
+layer call's saved inputs only the layer input moves (its first positional tensor): masks, position ids and
+position embeddings that reach the checkpoint as positional arguments stay, and so does an input already
+moved in the same forward.
 
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
@@ -350,6 +351,7 @@ class CheckpointSwitch:
         self.forward = ForwardState()
         self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
+        self._hooks: list[Any] = []
         self.layers = [LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)]
         self._offload = [
             self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
@@ -361,6 +363,7 @@ class CheckpointSwitch:
                 self._calls[id(target)] = calls
                 self.forward.calls.append(calls)
                 setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target))
+                self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
         self.offloaded = -1
@@ -390,15 +393,34 @@ class CheckpointSwitch:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
         container called its function more often in one forward than its stack has layers."""
         for calls in self._calls.values():
-            if calls.count > len(calls.functions):
-                target = calls.target
-                self.warn(
-                    f"container-calls:{target.name}",
-                    f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
-                    f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
-                    "those run plain checkpointing",
-                )
+            self._restart(calls)
         self.forward.new_forward()
+
+    def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
+        """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
+        also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
+
+        def restart(module: torch.nn.Module, args: tuple) -> None:
+            self._restart(calls)
+
+        return restart
+
+    def _restart(self, calls: LayerCalls) -> None:
+        if calls.count > len(calls.functions):
+            target = calls.target
+            self.warn(
+                f"container-calls:{target.name}",
+                f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
+                f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
+                "those run plain checkpointing",
+            )
+        calls.count = 0
+
+    def close(self) -> None:
+        """Remove the hooks this switch put on container modules (the switch is being replaced or detached)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _install(self, target: CheckpointTarget, function: Callable[..., Any]) -> None:
         setattr(target.module, target.attribute, function)
