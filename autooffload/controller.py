@@ -37,7 +37,7 @@ from .apply.switch import CheckpointSwitch, find_targets
 from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
-from .distributed import AgreementGroup, RankPeak, agree, world_size, worst_rank
+from .distributed import AgreementGroup, RankPeak, agree, every_rank, world_size, worst_rank
 from .history import HistoryRecorder, StepRecord, fixed_reason, policy_reason
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
@@ -164,6 +164,7 @@ class OffloadController:
         self.settings = settings if settings is not None else Settings.from_env()
         self.host = host if host is not None else HostMemory()
         self.agreement: AgreementGroup | None = None
+        self.ranks_agree = True  # False when a rank found no layers at attach: then no rank makes collectives
         self._cap_logged = False
         self.policy = policy if policy is not None else make_policy(self.settings)
         self.probe_choice = probe
@@ -223,13 +224,12 @@ class OffloadController:
         targets, unknown = find_targets(model)
         for key, message in uncontrolled(model, unknown):
             self.warn(key, message)
+        self._join_ranks(bool(targets))
         if not targets:
             self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
         if self.host.budget_bytes is None:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
-        if self.settings.sync_ranks and world_size() > 1 and self.agreement is None:
-            self.agreement = AgreementGroup()  # every rank attaches at the same point: new_group is a collective
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
@@ -254,6 +254,22 @@ class OffloadController:
             ranks_per_node(),
         )
         return True
+
+    def _join_ranks(self, ready: bool) -> None:
+        """Every rank attaches at the same point, with layers to control or not: make the side group there
+        (``new_group`` is a collective) and learn whether every rank has layers; if one has none, no rank
+        makes the per-micro-batch and end-of-training collectives, which that rank would never join."""
+        if not self.settings.sync_ranks or world_size() < 2:
+            return
+        if self.agreement is None:
+            self.agreement = AgreementGroup()
+        self.ranks_agree = every_rank(ready, self.agreement)
+        if not self.ranks_agree:
+            self.warn(
+                "ranks-without-layers",
+                "a rank has no checkpointed layers for autooffload to control, so the ranks do not agree on one "
+                "offload level: each decides alone (AUTOOFFLOAD_SYNC_RANKS=0 silences this)",
+            )
 
     def detach(self, *, restore: bool = False) -> None:
         """Remove the pre-forward hook. Plain checkpointing stays installed unless ``restore`` puts back
@@ -633,7 +649,8 @@ class OffloadController:
         """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
         gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
         others'. Returns the summary."""
-        self.worst_rank = worst_rank(self.peak_memory_fraction, self.settings.sync_ranks, self.agreement)
+        enabled = self.settings.sync_ranks and self.ranks_agree
+        self.worst_rank = worst_rank(self.peak_memory_fraction, enabled, self.agreement)
         return self.summary()
 
     def state_dict(self) -> dict[str, Any]:

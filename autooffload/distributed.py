@@ -99,11 +99,20 @@ def all_reduce_max(values: list[int], group: AgreementGroup | None = None) -> li
     return tensor.tolist()
 
 
+def every_rank(ready: bool, group: AgreementGroup) -> bool:
+    """True when ``ready`` holds on every rank (a collective, made once at attach). A rank that found no layer
+    to control makes none of the collectives the others make per micro-batch and at the end; they would wait
+    for it forever, so then no rank makes them."""
+    tensor = torch.tensor([int(not ready)], dtype=torch.int64, device=group.device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group.group)
+    return int(tensor.item()) == 0
+
+
 def agree(controller: OffloadController, level: int, cap: int | None = None) -> int:
     """The level every rank runs for this micro-batch: the ranks' maximum, capped at the smallest rank's
     host-memory cap (``None``: no cap), when there is a group to ask."""
     settings = controller.settings
-    if not settings.sync_ranks or settings.mode != "auto" or world_size() < 2:
+    if not settings.sync_ranks or not controller.ranks_agree or settings.mode != "auto" or world_size() < 2:
         return level
     layers = len(controller.switch.layers) if controller.switch is not None else level
     most, least_cap = all_reduce_max([level, -(layers if cap is None else cap)], controller.agreement)

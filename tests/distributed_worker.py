@@ -12,6 +12,8 @@ micro-batch and the other a short one (``LENGTHS``), so only an agreement makes 
   ``activation_checkpointing`` wraps them (``checkpoint_wrapper(layer, preserve_rng_state=False)``), trained
   three times: with the agreement, without it, and with the agreement over a gloo side group (the default
   group is gloo here too, so the backend check is told it is not, as it would be under NCCL).
+- ``uneven``: a raw loop where only rank 0's model has checkpointed layers, over a gloo side group: a rank
+  that finds nothing to control must not leave the other waiting in a collective it never joins.
 """
 
 from __future__ import annotations
@@ -372,6 +374,39 @@ def fsdp2(rank: int, out: Path) -> dict:
     return {"world_size": torch.distributed.get_world_size(), **result}
 
 
+def uneven(rank: int, out: Path) -> dict:
+    import warnings
+
+    from autooffload import AutoOffloadWarning
+
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    calls = count_collectives()
+    autooffload_distributed.takes_cpu_tensors = lambda: False  # a side group, as under NCCL
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    if rank == 0:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    policy = RecordingPolicy()
+    controller = OffloadController(Settings(), probe=None, policy=policy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        attached = controller.attach(model)
+        levels = record_levels(controller)
+        for step in range(len(LENGTHS)):
+            ids = batch(step, rank)
+            model(input_ids=ids, labels=ids).loss.backward()
+            controller.end_step()
+        controller.finish()
+    return {
+        "attached": attached,
+        "levels": levels,
+        "local": policy.local,
+        "collectives": calls[0],
+        "worst_rank": controller.worst_rank,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+    }
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -379,6 +414,7 @@ def main() -> None:
     scenarios = {
         "trainer_ddp": trainer_ddp,
         "fsdp2": fsdp2,
+        "uneven": uneven,
         "zero2": lambda rank, out: deepspeed_zero(2, out),
         "zero3": lambda rank, out: deepspeed_zero(3, out),
     }

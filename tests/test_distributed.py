@@ -272,6 +272,20 @@ def test_fsdp2_ranks_switch_together_and_losses_equal_one_process(tmp_path):
     assert [level for _, level in ranks[1]["alone"]["levels"]] == [0, 0, 0, every]
 
 
+@needs_gloo
+def test_a_rank_without_checkpointed_layers_leaves_no_rank_waiting(tmp_path):
+    # Before: rank 0 waited in new_group (the side group) or in every micro-batch's all_reduce for rank 1,
+    # which had returned from attach early and never joined either.
+    ranks = run_ranks("uneven", tmp_path, timeout_s=120)
+    assert [r["attached"] for r in ranks] == [True, False]
+    assert [r["collectives"] for r in ranks] == [0, 0]  # one check at attach, none per micro-batch
+    assert [level for _, level in ranks[0]["levels"]] == ranks[0]["local"] == [0, WORKER_LAYERS, 0, 0]
+    assert ranks[1]["levels"] == []
+    assert ranks[0]["worst_rank"] is ranks[1]["worst_rank"] is None
+    for result in ranks:
+        assert any("a rank has no checkpointed layers" in w for w in result["warnings"]), result["warnings"]
+
+
 @pytest.fixture(scope="module")
 def deepspeed_comm_op() -> None:
     """Build DeepSpeed's communication op once, in one process, before any rank needs it.

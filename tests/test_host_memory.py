@@ -4,6 +4,7 @@ recording stand-ins, so on a CPU the manager pins (records) and the engines copy
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 
@@ -13,7 +14,8 @@ from conftest import HIDDEN, LAYERS, expected_bytes, train
 from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, Settings, SettingsError
-from autooffload.apply.host_memory import PAGE, HostMemory, node_budget, page_round
+from autooffload.apply import host_memory
+from autooffload.apply.host_memory import PAGE, HostMemory, node_budget, page_round, ranks_per_node
 
 CPU = torch.device("cpu")
 PLENTY = (1 << 40, 1 << 41)
@@ -28,6 +30,7 @@ class Pinning:
         self.pinned: set[int] = set()
         self.unpinned: list[int] = []
         self.drains = 0
+        self.drained: list[torch.device] = []
 
     def register(self, buffer: torch.Tensor) -> None:
         self.calls += 1
@@ -39,8 +42,9 @@ class Pinning:
         self.pinned.remove(buffer.data_ptr())
         self.unpinned.append(buffer.data_ptr())
 
-    def drain(self) -> None:
+    def drain(self, device: torch.device) -> None:
         self.drains += 1
+        self.drained.append(device)
 
     def host(self, budget_bytes: int | None = None, **kwargs) -> HostMemory:
         kwargs.setdefault("memory", lambda: PLENTY)
@@ -123,6 +127,85 @@ def test_pinning_that_fails_gives_pageable_buffers_with_one_warning():
     assert len(caught) == 1 and pinning.calls == 2  # not tried again
     assert (first.pinned, second.pinned, third.pinned) == (True, False, False)
     assert host.held_bytes == 3 * PAGE and host.pinned_bytes == PAGE
+
+
+def test_a_release_drains_every_device_whose_buffers_go():
+    # One process driving two GPUs (device_map="auto"): synchronize() alone waits for the current one only,
+    # and a copy still reading a buffer of the other would read pages being unpinned and unmapped.
+    pinning = Pinning()
+    host = pinning.host(release_after=1)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    buffers = [host.take(PAGE, device) for device in devices for _ in range(2)]
+    for buffer in buffers:
+        host.give(buffer)
+    host.end_step()
+    assert host.held_bytes == 0
+    assert pinning.drained == devices  # each once, before its first buffer goes
+
+
+def test_a_manager_that_goes_unpins_its_buffers():
+    # A controller replaced or dropped without detach: the mappings die with it, and a range unmapped while
+    # still registered stays pinned (and may refuse a later registration at its address).
+    pinning = Pinning()
+    host = pinning.host()
+    for buffer in [host.take(PAGE, CPU), host.take(2 * PAGE, CPU)]:
+        host.give(buffer)
+    del host, buffer
+    gc.collect()
+    assert pinning.pinned == set() and len(pinning.unpinned) == 2
+
+
+class FailingRuntime:
+    """cudart as torch binds it: calls return an error code and leave it as the runtime's last error, which
+    torch's next kernel launch check (``cudaGetLastError``) raises."""
+
+    def __init__(self) -> None:
+        self.last_error = 0
+
+    def cudaHostRegister(self, pointer, size, flags):
+        self.last_error = 2  # cudaErrorMemoryAllocation: a memlock or WSL cap
+        return 2
+
+    def cudaHostUnregister(self, pointer):
+        self.last_error = 712  # cudaErrorHostMemoryNotRegistered
+        return 712
+
+
+def test_a_failed_pinning_call_leaves_no_cuda_error_behind(monkeypatch):
+    runtime = FailingRuntime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+
+    def launch_check():  # what torch's next kernel launch does: raise the last error, and clear it
+        error, runtime.last_error = runtime.last_error, 0
+        if error:
+            raise RuntimeError(f"CUDA error {error}")
+
+    monkeypatch.setattr(host_memory, "launch_kernel", launch_check, raising=False)
+    host = HostMemory(pin=True, memory=lambda: PLENTY)
+    with pytest.warns(AutoOffloadWarning, match="pageable"):
+        buffer = host.take(PAGE, CPU)
+    assert not buffer.pinned
+    launch_check()  # the step's next kernel: nothing left to raise
+    host_memory.cuda_unregister(buffer.tensor)
+    launch_check()
+
+
+@pytest.mark.parametrize(
+    ("env", "ranks"),
+    [
+        ({"LOCAL_WORLD_SIZE": "8"}, 8),
+        ({"LOCAL_SIZE": "4"}, 4),  # the deepspeed launcher sets only this one
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 2),
+        ({"LOCAL_WORLD_SIZE": "x", "LOCAL_SIZE": "3"}, 3),
+        ({}, 1),
+    ],
+)
+def test_ranks_per_node_from_every_launcher(monkeypatch, env, ranks):
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ranks_per_node() == ranks
 
 
 # ---- the setting -----------------------------------------------------------------------------------------

@@ -14,17 +14,20 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
 - **Host free memory.** A new buffer is taken only while the host keeps ``min_free`` of its memory free
   after it. Buffers already held are reused without asking: they are not free memory, but they are ours.
 - **Release.** A free buffer unused for ``release_after`` optimizer steps is released (offload off for a
-  while, or sizes that no longer come). Before a release the device is drained once, so no copy still
-  in flight reads a page that is being unmapped.
+  while, or sizes that no longer come), and so is every buffer when the manager itself goes. Before a
+  release each device whose buffers go is drained once (all its streams), so no copy still in flight
+  reads a page that is being unmapped.
 - **Pinning that fails** (WSL caps pinned memory at 1-2 GiB; a driver or container limit): the buffer
   stays pageable, with one warning, and so do later ones; copies into it do not overlap compute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -49,12 +52,24 @@ def host_memory() -> tuple[int, int]:
     return int(memory.available), int(memory.total)
 
 
+LOCAL_SIZE_VARIABLES = (
+    "LOCAL_WORLD_SIZE",  # torchrun, accelerate
+    "LOCAL_SIZE",  # the deepspeed launcher
+    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
+    "MPI_LOCALNRANKS",  # MPICH, Intel MPI
+    "MV2_COMM_WORLD_LOCAL_SIZE",  # MVAPICH
+)
+
+
 def ranks_per_node() -> int:
-    """How many processes of the job share this host: ``LOCAL_WORLD_SIZE`` (torchrun, accelerate), else 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    """How many processes of the job share this host, from the first launcher variable set
+    (:data:`LOCAL_SIZE_VARIABLES`), else 1."""
+    for name in LOCAL_SIZE_VARIABLES:
+        try:
+            return max(1, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = host_memory) -> int:
@@ -83,16 +98,32 @@ def cuda_register(buffer: torch.Tensor) -> None:
     """Pin ``buffer`` in place (``cudaHostRegister``, portable across devices)."""
     code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1))
     if code != 0:
+        consume_cuda_error()
         raise RuntimeError(f"cudaHostRegister failed with cudaError {code}")
 
 
 def cuda_unregister(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    if int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())) != 0:
+        consume_cuda_error()
 
 
-def cuda_drain() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def consume_cuda_error() -> None:
+    """Clear the CUDA runtime's last error after a failed call torch does not check (its cudart bindings
+    return the code and leave the error set): torch's next kernel launch would otherwise raise it, in the
+    middle of a step. A launch of torch's own reads and clears it; that one is caught here."""
+    with contextlib.suppress(RuntimeError):
+        launch_kernel()
+
+
+def launch_kernel() -> None:
+    torch.zeros(1, dtype=torch.uint8, device="cuda")
+
+
+def cuda_drain(device: torch.device) -> None:
+    """Wait for every stream of ``device`` (the copy streams too); ``synchronize()`` alone waits only for
+    the current device, and a process may drive several."""
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
 
 
 def _pinning_available() -> bool:
@@ -119,7 +150,7 @@ class HostMemory:
     ``budget_bytes``: this process's share; None until the controller sets it (no limit meanwhile).
     ``pin``: pin buffers (default: where CUDA is available). The functions are the hardware surface, and
     what tests replace: ``allocate(nbytes)`` a pageable buffer, ``register``/``unregister`` pin and unpin it
-    in place, ``drain()`` waits for the device before a release, ``memory()`` reads (available, total).
+    in place, ``drain(device)`` waits for that device before a release, ``memory()`` reads (available, total).
     """
 
     def __init__(
@@ -130,7 +161,7 @@ class HostMemory:
         allocate: Callable[[int], torch.Tensor] = pageable,
         register: Callable[[torch.Tensor], None] = cuda_register,
         unregister: Callable[[torch.Tensor], None] = cuda_unregister,
-        drain: Callable[[], None] = cuda_drain,
+        drain: Callable[[torch.device], None] = cuda_drain,
         memory: Callable[[], tuple[int, int]] = host_memory,
         min_free: float = MIN_FREE,
         release_after: int = RELEASE_AFTER_STEPS,
@@ -202,6 +233,14 @@ class HostMemory:
         with self._lock:
             self._release([b for bs in self._free.values() for b in bs], None)
 
+    def __del__(self) -> None:
+        # Nothing is on loan (a loan holds its manager), so every buffer is free: unpin before the mappings go.
+        # An unmapped range still registered stays pinned and may refuse a later registration at its address.
+        if sys.is_finalizing():
+            return
+        with contextlib.suppress(Exception):  # a finalizer must not raise; at worst the pages stay pinned
+            self.release_all()
+
     def _new(self, size: int, device: torch.device) -> HostBuffer | None:
         try:
             tensor = self.allocate(size)
@@ -233,13 +272,13 @@ class HostMemory:
 
     def _release(self, buffers: list[HostBuffer], needed: int | None) -> None:
         """Release ``buffers`` in order; with ``needed``, only until that many more bytes fit the budget."""
-        drained = False
+        drained: set[torch.device] = set()
         for buffer in buffers:
             if needed is not None and self.held_bytes + needed <= (self.budget_bytes or 0):
                 break
-            if buffer.pinned and not drained:
-                self.drain()
-                drained = True
+            if buffer.pinned and buffer.device not in drained:
+                self.drain(buffer.device)
+                drained.add(buffer.device)
             self._free[buffer.device].remove(buffer)
             if buffer.pinned:
                 self.unregister(buffer.tensor)
