@@ -504,10 +504,14 @@ class OffloadController:
             reset()
         except Exception as error:  # a probe's failure must not end the run; the reading still works
             self.warn("probe-reset", f"memory probe reset failed ({error!r}); a step's peak may include earlier work")
+            return
+        self._side_work = False  # evaluation or saving before the reset is not in this step's reading
 
     def note_side_work(self) -> None:
         """Evaluation or a checkpoint save ran since the last reading: the next reading is not a sample of
-        training (the callback calls it from ``on_evaluate`` and ``on_save``)."""
+        training (the callback calls it from ``on_evaluate`` and ``on_save``), unless the probe's ``reset()`` at
+        the next step's start keeps that work out of it, as it does under Trainer (evaluation and saving run
+        after ``on_step_end``, before the next ``on_step_begin``)."""
         self._side_work = True
 
     def end_step(self) -> None:

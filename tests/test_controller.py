@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import LAYERS, expected_bytes, model
 
-from autooffload import AutoOffloadWarning, OffloadController, Rescue, Settings
+from autooffload import AutoOffloadWarning, OffloadController, Rescue, ScriptedProbe, Settings
 
 
 def checkpointed_model():
@@ -239,3 +239,24 @@ def test_a_rescued_length_is_planned_with_more_offload_than_the_one_that_failed(
     # the next steps of that length offload more than the attempt that failed, and do not fail again.
     assert device.failures == [(2, 0)] and controller.rescues == 1
     assert levels[3] > 0 and levels[4] > 0
+
+
+class ResettingProbe(ScriptedProbe):
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("probe_kind, clean", [(ScriptedProbe, False), (ResettingProbe, True)])
+def test_side_work_before_the_steps_reset_leaves_its_reading_clean(probe_kind, clean):
+    # Evaluation between two steps: with a probe that resets at the step's start it is out of the next reading;
+    # with one that cannot reset, it may be in it, and the step is no sample.
+    controller = OffloadController(Settings(), probe=probe_kind([0.5]))
+    controller.attach(checkpointed_model())
+    controller.note_side_work()
+    controller.begin_step()
+    controller.end_step()
+    assert controller.last_step_clean is clean
+    controller.begin_step()
+    controller.note_side_work()  # within the step, after the reset: in the reading whatever the probe
+    controller.end_step()
+    assert controller.last_step_clean is False
