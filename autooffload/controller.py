@@ -586,8 +586,9 @@ class OffloadController:
             return None
         if reading is None:
             return None
-        self.memory_bytes, self.total_bytes = reading.used_bytes, reading.total_bytes
-        return reading.fraction
+        # Plain ints (a user's probe may hand numpy's): the state goes into Trainer's trainer_state.json.
+        self.memory_bytes, self.total_bytes = int(reading.used_bytes), int(reading.total_bytes)
+        return self.memory_bytes / self.total_bytes
 
     def _apply(self, level: int) -> None:
         assert self.switch is not None

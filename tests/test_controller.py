@@ -260,3 +260,26 @@ def test_side_work_before_the_steps_reset_leaves_its_reading_clean(probe_kind, c
     controller.note_side_work()  # within the step, after the reset: in the reading whatever the probe
     controller.end_step()
     assert controller.last_step_clean is False
+
+
+class NumpyProbe:
+    """A user's probe whose numbers come from numpy (np.int64 is no int: json cannot write it)."""
+
+    def read(self):
+        import numpy as np
+
+        from autooffload import MemoryReading
+
+        return MemoryReading(np.int64(95 * 10**9), np.int64(100 * 10**9))
+
+
+@pytest.mark.parametrize("policy", ["hysteresis", "predictive"])
+def test_a_probe_with_numpy_numbers_leaves_a_state_json_can_write(policy):
+    import json
+
+    net = checkpointed_model()
+    controller = OffloadController(Settings(policy=policy), probe=NumpyProbe())
+    controller.attach(net)
+    for seq in (64, 64, 64):
+        step(net, controller, seq)
+    json.dumps(controller.state_dict())  # Trainer writes it into trainer_state.json at every save
