@@ -637,7 +637,8 @@ class OffloadController:
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: enough for a resumed run to decide as the uninterrupted one would have: the
         offload level, dwell counter, switch count, compile budget, the last step's memory reading (the first
-        step after the resume decides from it, and a policy learns from it) and the measured layer bytes."""
+        step after the resume decides from it, and a policy learns from it, with the optimizer state it lacks and
+        whether it is a clean sample) and the measured layer bytes."""
         return {
             "step": self.step,
             "switches": self.switches,
@@ -651,6 +652,8 @@ class OffloadController:
             "peak_memory_fraction": self.peak_memory_fraction,
             "layer_token_bytes": self.layer_token_bytes,
             "last_step_rescued": self.last_step_rescued,
+            "last_step_clean": self.last_step_clean,
+            "pending_bytes": self.pending_bytes,
             "policy": self._policy_state(),
         }
 
@@ -678,6 +681,8 @@ class OffloadController:
         self.peak_memory_fraction = state.get("peak_memory_fraction")
         self.layer_token_bytes = state.get("layer_token_bytes") or self.layer_token_bytes
         self.last_step_rescued = bool(state.get("last_step_rescued", False))
+        self.last_step_clean = bool(state.get("last_step_clean", True))
+        self.pending_bytes = int(state.get("pending_bytes") or 0)  # a checkpoint after step 0: Adam's state to come
         self.level = state.get("level")
         if self.level is not None:
             self._micro_batches = 1  # the next change of level is a switch, as it would have been

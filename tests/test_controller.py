@@ -283,3 +283,40 @@ def test_a_probe_with_numpy_numbers_leaves_a_state_json_can_write(policy):
     for seq in (64, 64, 64):
         step(net, controller, seq)
     json.dumps(controller.state_dict())  # Trainer writes it into trainer_state.json at every save
+
+
+def test_a_run_resumed_after_its_first_step_still_foresees_the_optimizer_state():
+    # Adam's state is allocated at the first optimizer.step(), inside step 0: its reading (85% of the device)
+    # lacks the state (10% more), so step 1 must offload. A checkpoint taken after step 0 must carry that.
+    from autooffload import MemoryReading
+
+    def run(resume_from=None):
+        torch.manual_seed(0)
+        net = checkpointed_model()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        state_bytes = 2 * sum(p.numel() * p.element_size() for p in net.parameters())
+        total = 10 * state_bytes
+
+        class Probe:
+            def read(self):
+                return MemoryReading(round(0.85 * total), total)
+
+        controller = OffloadController(Settings(), probe=Probe())
+        controller.attach(net, optimizer=optimizer)
+        if resume_from is not None:
+            optimizer.step()  # the checkpoint's optimizer state, loaded before training resumes
+            controller.load_state_dict(resume_from)
+        else:
+            ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            controller.end_step()
+        saved = controller.state_dict()
+        ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+        net(input_ids=ids, labels=ids).loss.backward()
+        return controller.level, saved
+
+    level, saved = run()
+    assert level == LAYERS
+    assert run(resume_from=saved)[0] == LAYERS
