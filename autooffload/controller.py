@@ -522,10 +522,14 @@ class OffloadController:
             reset()
         except Exception as error:  # a probe's failure must not end the run; the reading still works
             self.warn("probe-reset", f"memory probe reset failed ({error!r}); a step's peak may include earlier work")
+            return
+        self._side_work = False  # evaluation or saving before the reset is not in this step's reading
 
     def note_side_work(self) -> None:
         """Evaluation or a checkpoint save ran since the last reading: the next reading is not a sample of
-        training (the callback calls it from ``on_evaluate`` and ``on_save``)."""
+        training (the callback calls it from ``on_evaluate`` and ``on_save``), unless the probe's ``reset()`` at
+        the next step's start keeps that work out of it, as it does under Trainer (evaluation and saving run
+        after ``on_step_end``, before the next ``on_step_begin``)."""
         self._side_work = True
 
     def end_step(self) -> None:
@@ -605,8 +609,9 @@ class OffloadController:
             return None
         if reading is None:
             return None
-        self.memory_bytes, self.total_bytes = reading.used_bytes, reading.total_bytes
-        return reading.fraction
+        # Plain ints (a user's probe may hand numpy's): the state goes into Trainer's trainer_state.json.
+        self.memory_bytes, self.total_bytes = int(reading.used_bytes), int(reading.total_bytes)
+        return self.memory_bytes / self.total_bytes
 
     def _apply(self, level: int) -> None:
         assert self.switch is not None
@@ -656,7 +661,8 @@ class OffloadController:
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: enough for a resumed run to decide as the uninterrupted one would have: the
         offload level, dwell counter, switch count, compile budget, the last step's memory reading (the first
-        step after the resume decides from it, and a policy learns from it) and the measured layer bytes."""
+        step after the resume decides from it, and a policy learns from it, with the optimizer state it lacks and
+        whether it is a clean sample) and the measured layer bytes."""
         return {
             "step": self.step,
             "switches": self.switches,
@@ -670,6 +676,8 @@ class OffloadController:
             "peak_memory_fraction": self.peak_memory_fraction,
             "layer_token_bytes": self.layer_token_bytes,
             "last_step_rescued": self.last_step_rescued,
+            "last_step_clean": self.last_step_clean,
+            "pending_bytes": self.pending_bytes,
             "policy": self._policy_state(),
         }
 
@@ -697,6 +705,8 @@ class OffloadController:
         self.peak_memory_fraction = state.get("peak_memory_fraction")
         self.layer_token_bytes = state.get("layer_token_bytes") or self.layer_token_bytes
         self.last_step_rescued = bool(state.get("last_step_rescued", False))
+        self.last_step_clean = bool(state.get("last_step_clean", True))
+        self.pending_bytes = int(state.get("pending_bytes") or 0)  # a checkpoint after step 0: Adam's state to come
         self.level = state.get("level")
         if self.level is not None:
             self._micro_batches = 1  # the next change of level is a switch, as it would have been

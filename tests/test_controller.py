@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import LAYERS, expected_bytes, model
 
-from autooffload import AutoOffloadWarning, OffloadController, Rescue, Settings
+from autooffload import AutoOffloadWarning, OffloadController, Rescue, ScriptedProbe, Settings
 
 
 def checkpointed_model():
@@ -239,3 +239,84 @@ def test_a_rescued_length_is_planned_with_more_offload_than_the_one_that_failed(
     # the next steps of that length offload more than the attempt that failed, and do not fail again.
     assert device.failures == [(2, 0)] and controller.rescues == 1
     assert levels[3] > 0 and levels[4] > 0
+
+
+class ResettingProbe(ScriptedProbe):
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("probe_kind, clean", [(ScriptedProbe, False), (ResettingProbe, True)])
+def test_side_work_before_the_steps_reset_leaves_its_reading_clean(probe_kind, clean):
+    # Evaluation between two steps: with a probe that resets at the step's start it is out of the next reading;
+    # with one that cannot reset, it may be in it, and the step is no sample.
+    controller = OffloadController(Settings(), probe=probe_kind([0.5]))
+    controller.attach(checkpointed_model())
+    controller.note_side_work()
+    controller.begin_step()
+    controller.end_step()
+    assert controller.last_step_clean is clean
+    controller.begin_step()
+    controller.note_side_work()  # within the step, after the reset: in the reading whatever the probe
+    controller.end_step()
+    assert controller.last_step_clean is False
+
+
+class NumpyProbe:
+    """A user's probe whose numbers come from numpy (np.int64 is no int: json cannot write it)."""
+
+    def read(self):
+        import numpy as np
+
+        from autooffload import MemoryReading
+
+        return MemoryReading(np.int64(95 * 10**9), np.int64(100 * 10**9))
+
+
+@pytest.mark.parametrize("policy", ["hysteresis", "predictive"])
+def test_a_probe_with_numpy_numbers_leaves_a_state_json_can_write(policy):
+    import json
+
+    net = checkpointed_model()
+    controller = OffloadController(Settings(policy=policy), probe=NumpyProbe())
+    controller.attach(net)
+    for seq in (64, 64, 64):
+        step(net, controller, seq)
+    json.dumps(controller.state_dict())  # Trainer writes it into trainer_state.json at every save
+
+
+def test_a_run_resumed_after_its_first_step_still_foresees_the_optimizer_state():
+    # Adam's state is allocated at the first optimizer.step(), inside step 0: its reading (85% of the device)
+    # lacks the state (10% more), so step 1 must offload. A checkpoint taken after step 0 must carry that.
+    from autooffload import MemoryReading
+
+    def run(resume_from=None):
+        torch.manual_seed(0)
+        net = checkpointed_model()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        state_bytes = 2 * sum(p.numel() * p.element_size() for p in net.parameters())
+        total = 10 * state_bytes
+
+        class Probe:
+            def read(self):
+                return MemoryReading(round(0.85 * total), total)
+
+        controller = OffloadController(Settings(), probe=Probe())
+        controller.attach(net, optimizer=optimizer)
+        if resume_from is not None:
+            optimizer.step()  # the checkpoint's optimizer state, loaded before training resumes
+            controller.load_state_dict(resume_from)
+        else:
+            ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            controller.end_step()
+        saved = controller.state_dict()
+        ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+        net(input_ids=ids, labels=ids).loss.backward()
+        return controller.level, saved
+
+    level, saved = run()
+    assert level == LAYERS
+    assert run(resume_from=saved)[0] == LAYERS

@@ -217,3 +217,20 @@ def test_trainer_peaked_delta_is_the_run_peak_although_the_probe_resets_every_st
     assert tracked == 0
     trainer.log({PEAKED_DELTA: tracked})
     assert trainer.state.log_history[-1][PEAKED_DELTA] == 8 * GiB
+
+
+class NoUuidCuda(FakeCuda):
+    def get_device_properties(self, index: int) -> SimpleNamespace:
+        return SimpleNamespace(uuid="")  # a torch or driver that names no UUID: only the index is left
+
+
+@pytest.mark.parametrize("visible, source", [(None, "nvml"), ("0,1", "nvml"), ("1,0", "mem_get_info")])
+def test_without_a_uuid_nvml_is_read_by_index_only_where_the_numbering_is_nvmls(monkeypatch, visible, source):
+    # CUDA_VISIBLE_DEVICES=1,0: torch's cuda:0 is NVML's device 1; by index NVML would read another GPU.
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    cuda = NoUuidCuda(devices=2)
+    probe = NvmlProbe("cuda:0", cuda=cuda, nvml=FakeNvml(cuda))
+    assert probe.sources == {0: source}

@@ -340,6 +340,32 @@ def test_evaluation_and_saving_stay_out_of_the_next_steps_reading(tmp_path):
     trainer.train()
     # Every step's peak starts at the step's start: evaluation's 512-token batches never reach a reading.
     assert probe.readings == [64_000] * 7
-    # Evaluations after steps 2 and 4, saves after 3 (Trainer's count): the readings that follow are no samples.
-    assert [o.last_step_clean for o in seen] == [True, True, True, False, False, False, True]
-    assert len(callback.controller.policy.samples) == 3
+    # Evaluations after steps 2 and 4, saves after 3 (Trainer's count), all before the next step's reset: every
+    # reading is a sample of training.
+    assert [o.last_step_clean for o in seen] == [True] * 7
+    assert len(callback.controller.policy.samples) == 6
+
+
+class RisingProbe:
+    """A device at 50% in the first step and 95% after, with a ``reset()`` (as NvmlProbe has): what ran before a
+    reset is out of the next reading."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def reset(self):
+        pass
+
+    def read(self):
+        from autooffload import MemoryReading
+
+        self.reads += 1
+        return MemoryReading((50 if self.reads == 1 else 95) * 10**10, 10**12)
+
+
+def test_saving_every_step_still_lets_the_reading_decide(tmp_path):
+    # The probe's reset at the step's start already keeps the save out of the step's reading, so the step after
+    # a save is a sample like any other: with a save after every step the memory signal must still switch on.
+    callback = AutoOffloadCallback(probe=RisingProbe(), min_steps=1)
+    _, _, rows = run_with(tmp_path, [64] * 4, callback, save_strategy="steps", save_steps=1)
+    assert [active for _, active, _ in rows] == [0.0, 0.0, 1.0, 1.0]

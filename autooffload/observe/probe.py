@@ -18,7 +18,8 @@ Which signal, when:
   the device's "used" minus this process's reservation at the same moment, over the device's total. The
   device's used and total come from NVML where NVML can name the device: by UUID (``GPU-`` or, on a MIG
   instance, ``MIG-`` prefixed: torch's UUID has neither), else by index unless that index is a GPU in MIG
-  mode (NVML would read the parent GPU, not the instance). Where NVML cannot name it (a MIG instance not
+  mode (NVML would read the parent GPU, not the instance) or ``CUDA_VISIBLE_DEVICES`` renumbers the devices
+  (NVML's index would name another GPU). Where NVML cannot name it (a MIG instance not
   found by UUID, pynvml missing), ``torch.cuda.mem_get_info``, which reads the instance torch runs on.
 - Fragmentation: ``max_memory_allocated`` cannot see it. Without ``expandable_segments`` a device fails
   well before 100% allocated, and on the way the caching allocator frees its cache and retries
@@ -32,6 +33,7 @@ Which signal, when:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -196,11 +198,21 @@ class NvmlProbe:
                     return nvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
                 except nvml.NVMLError:
                     pass
+        if not _same_numbering(index):
+            return None
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
         except nvml.NVMLError:
             return None
         return None if _mig_enabled(nvml, handle) else handle
+
+
+def _same_numbering(index: int) -> bool:
+    """Whether torch's device ``index`` is NVML's device ``index``: not where ``CUDA_VISIBLE_DEVICES`` renumbers."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return True
+    return [entry.strip() for entry in visible.split(",")][index : index + 1] == [str(index)]
 
 
 def _mig_enabled(nvml: Any, handle: Any) -> bool:
