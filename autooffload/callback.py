@@ -70,6 +70,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         compile_max_switches: int | None = None,
         engine: str | None = None,
         sync_ranks: bool | None = None,
+        recompute: str | None = None,
         *,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
@@ -87,6 +88,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             policy=policy if isinstance(policy, str) else None,
             rescue=rescue,
             sync_ranks=sync_ranks,
+            recompute=recompute,
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}

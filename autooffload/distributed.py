@@ -76,6 +76,20 @@ def agree(controller: OffloadController, level: int) -> int:
     return agreed
 
 
+def agree_plan(controller: OffloadController, level: int, keep: int) -> tuple[int, int]:
+    """The plan every rank runs (``recompute="auto"``): the most offload and the least keep any rank asked
+    for, in one collective (``all_reduce(MAX)`` of ``[level, -keep]``)."""
+    settings = controller.settings
+    if not settings.sync_ranks or settings.mode != "auto" or world_size() < 2:
+        return level, keep
+    tensor = torch.tensor([level, -keep], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    agreed, least_keep = int(tensor[0].item()), -int(tensor[1].item())
+    if agreed != level:
+        _tell_policy(controller, agreed)
+    return agreed, least_keep
+
+
 def _tell_policy(controller: OffloadController, level: int) -> None:
     agreed = getattr(controller.policy, "agreed", None)
     if agreed is None or controller.switch is None:

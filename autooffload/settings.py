@@ -17,6 +17,7 @@ ENV_PREFIX = "AUTOOFFLOAD_"
 MODES = ("auto", "on", "off")
 ENGINES = ("sync", "stream")
 POLICIES = ("predictive", "hysteresis")
+RECOMPUTES = ("always", "auto")
 
 
 class SettingsError(ValueError):
@@ -42,6 +43,9 @@ class Settings:
     ``sync_ranks``: under torch.distributed with more than one rank, agree on one level per micro-batch (the
     ranks' maximum) with one small collective, and gather the worst rank's memory at the end of training;
     off means autooffload makes no collective at all (ranks that do not run the same model, e.g. pipeline stages).
+    ``recompute``: ``"always"`` (every checkpointed layer recomputes its forward in the backward, as plain
+    checkpointing does) or ``"auto"`` (in ``auto`` mode, the last checkpointed layers may run without
+    checkpointing, their activations kept, when the predicted peak leaves room: :mod:`autooffload.decide.ladder`).
     """
 
     mode: str = "auto"
@@ -55,6 +59,7 @@ class Settings:
     policy: str = "predictive"
     rescue: bool = True
     sync_ranks: bool = True
+    recompute: str = "always"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -150,6 +155,7 @@ _ALLOWED = {
     "mode": ("one of " + ", ".join(MODES), lambda v: v in MODES),
     "engine": ("one of " + ", ".join(ENGINES), lambda v: v in ENGINES),
     "policy": ("one of " + ", ".join(POLICIES), lambda v: v in POLICIES),
+    "recompute": ("one of " + ", ".join(RECOMPUTES), lambda v: v in RECOMPUTES),
     "rescue": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
     "memory_high": ("a fraction in (0, 1]", lambda v: 0.0 < v <= 1.0),
     "memory_low": ("a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0),

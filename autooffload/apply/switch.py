@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .keep import keep_function, measuring_keep_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
@@ -142,11 +143,13 @@ def _offload_function(kwargs: dict[str, Any], engine: OffloadEngine, last: bool)
 
 
 class CheckpointSwitch:
-    """Holds, for every target, the plain and the offloading checkpoint function, and installs one of them.
+    """Holds, for every target, the plain, the offloading and the keep function, and installs one of them.
 
-    ``apply(k)`` makes the first ``k`` layers (in module order: their inputs are saved earliest and live
-    longest) offload and the others not; container targets (a model that holds checkpointed layers)
-    offload whenever any layer does. ``engine``: ``"sync"``, ``"stream"`` or an :class:`OffloadEngine`.
+    ``apply(k, keep)`` makes the first ``k`` layers (in module order: their inputs are saved earliest and live
+    longest) offload, the last ``keep`` layers run without checkpointing (:mod:`~autooffload.apply.keep`)
+    and the others recompute; container targets (a model that holds checkpointed layers) offload whenever
+    any layer does. ``engine``: ``"sync"``, ``"stream"`` or an :class:`OffloadEngine`. With ``measure``, the
+    first kept layer counts what it saved and hands the bytes to ``on_measured``.
     """
 
     def __init__(
@@ -160,29 +163,47 @@ class CheckpointSwitch:
         for target in targets:
             last = bool(self.layers) and target is self.layers[-1]
             plain, offload = _plain_function(target.kwargs), _offload_function(target.kwargs, self.engine, last)
-            for function in (plain, offload):
+            keep = keep_function()
+            measured = measuring_keep_function(functools.partial(parameter_storages, [target.module]), self._measured)
+            for function in (plain, offload, keep, measured):
                 function._autooffload_original = target.original
                 function._autooffload_kwargs = target.kwargs
-            self._functions[id(target)] = (plain, offload)
+            self._functions[id(target)] = (plain, offload, keep, measured)
+        self.on_measured: Callable[[int], None] | None = None
         self.offloaded = -1
+        self.kept = 0
+        self.measuring = False
         self.apply(0)
 
-    def apply(self, k: int) -> None:
+    def apply(self, k: int, keep: int = 0, measure: bool = False) -> None:
         k = max(0, min(k, len(self.layers)))
-        if k == self.offloaded:
+        keep = max(0, min(keep, len(self.layers) - k))
+        measure = measure and keep > 0
+        if (k, keep, measure) == (self.offloaded, self.kept, self.measuring):
             return
+        first_kept = len(self.layers) - keep
         for index, target in enumerate(self.layers):
-            self._install(target, offload=index < k)
+            if index >= first_kept:
+                self._install_keep(target, measure and index == first_kept)
+            else:
+                self._install(target, offload=index < k)
         for target in self.targets:
             if not target.is_layer:
                 self._install(target, offload=k > 0)
-        self.offloaded = k
+        self.offloaded, self.kept, self.measuring = k, keep, measure
 
     def _install(self, target: CheckpointTarget, offload: bool) -> None:
         setattr(target.module, target.attribute, self._functions[id(target)][int(offload)])
+
+    def _install_keep(self, target: CheckpointTarget, measure: bool) -> None:
+        setattr(target.module, target.attribute, self._functions[id(target)][3 if measure else 2])
+
+    def _measured(self, nbytes: int) -> None:
+        if self.on_measured is not None:
+            self.on_measured(nbytes)
 
     def restore(self) -> None:
         """Put back the functions found at construction."""
         for target in self.targets:
             setattr(target.module, target.attribute, target.original)
-        self.offloaded = -1
+        self.offloaded, self.kept, self.measuring = -1, 0, False
