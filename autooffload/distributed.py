@@ -65,6 +65,13 @@ def all_reduce_max(value: int) -> int:
     return int(tensor.item())
 
 
+def all_reduce_max_values(values: list[int]) -> list[int]:
+    """Each of ``values``' largest over all ranks, in one collective (every rank must call it)."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return [int(value) for value in tensor.tolist()]
+
+
 def agree(controller: OffloadController, level: int) -> int:
     """The level every rank runs for this micro-batch: the ranks' maximum, when there is a group to ask."""
     settings = controller.settings
@@ -82,12 +89,10 @@ def agree_plan(controller: OffloadController, level: int, keep: int) -> tuple[in
     settings = controller.settings
     if not settings.sync_ranks or settings.mode != "auto" or world_size() < 2:
         return level, keep
-    tensor = torch.tensor([level, -keep], dtype=torch.int64, device=collective_device())
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    agreed, least_keep = int(tensor[0].item()), -int(tensor[1].item())
+    agreed, fewest_kept = all_reduce_max_values([level, -keep])
     if agreed != level:
         _tell_policy(controller, agreed)
-    return agreed, least_keep
+    return agreed, -fewest_kept
 
 
 def _tell_policy(controller: OffloadController, level: int) -> None:

@@ -75,6 +75,10 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def __enter__(self) -> SavedBytesCounter:
+        super().__enter__()
+        return self
+
 
 def keep_function() -> Callable[..., Any]:
     """The keep rung: the layer runs once, without checkpointing."""
