@@ -72,6 +72,7 @@ SHAPES = {
     "cpu": Shape(4, 128, 4, 32, 1024, "fp32", 256, 1024),
     # Qwen3-1.7B-like layers; sized for a one-call GPU check of a few minutes.
     "cuda": Shape(16, 2048, 16, 128, 1024, "bf16", 4096, 16384),
+    "quick": Shape(2, 64, 4, 16, 256, "fp32", 32, 128),  # checks the script, in seconds
 }
 
 
@@ -235,7 +236,7 @@ def budgets(bench: Bench, readings: dict[str, int]) -> dict[str, dict[str, Any]]
     return {
         "a": dict(lengths=[short] * 5, total=round(4 * readings[f"none_{short}"] / HIGH)),
         "b": dict(lengths=[short, short, long, short, short], total=round(mixed_limit / (HIGH - KEEP_MARGIN))),
-        "c": dict(lengths=[long] * 3, total=round((recompute_long - 1.5 * layer_input) / HIGH)),
+        "c": dict(lengths=[long] * 3, total=round((recompute_long - 0.5 * layer_input) / HIGH)),
     }
 
 
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rounds", type=int, help="timed passes over each trace (CPU 12, GPU 3)")
     parser.add_argument("--scenario", nargs="*", choices=("a", "b", "c"), default=["a", "b", "c"])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and one round: checks the script")
     options = parser.parse_args(argv)
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
@@ -352,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     if options.device == "cpu":
         torch.set_num_threads(1)
-    rounds = options.rounds or (12 if options.device == "cpu" else 3)
-    shape = SHAPES[options.device]
+    rounds = options.rounds or (1 if options.quick else 12 if options.device == "cpu" else 3)
+    shape = SHAPES["quick" if options.quick else options.device]
     bench = Bench(shape, options.device)
     readings = calibrate(bench)
     plans = budgets(bench, readings)
@@ -377,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plans[scenario]
         result = run_scenario(bench, scenario, plan["lengths"], plan["total"], rounds)
         result["met"] = verdict(result)
+        result["safe"] = all(result["modes"][m]["steps_over_budget"] == 0 for m in ("always", "auto"))
         results.append(result)
         (options.out / "ladder.json").write_text(json.dumps(dict(env, results=results), indent=1) + "\n")
         (options.out / "ladder.md").write_text(render(env, results))
