@@ -66,18 +66,36 @@ def _layer_token_bytes(model: torch.nn.Module) -> float | None:
 
     A first guess only: the controller replaces it with what the hooks measure once a step has offloaded.
     """
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    hidden = _text_hidden_size(getattr(model, "config", None))
     for parameter in model.parameters():
         if isinstance(hidden, int) and parameter.is_floating_point():
             return float(hidden * parameter.element_size())
     return None
 
 
+def _text_hidden_size(config: Any) -> int | None:
+    """The hidden size of the stack that consumes the tokens: the text config's where the top level has none
+    (a VLM's top-level ``hidden_size`` is None on transformers 5.x)."""
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int) and hasattr(config, "get_text_config"):
+        try:
+            hidden = getattr(config.get_text_config(), "hidden_size", None)
+        except Exception:  # an ambiguous composite config
+            return None
+    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+
+
 def _layer_shape(model: torch.nn.Module) -> LayerShape | None:
-    """The checkpointed layers' sizes from the model's config: the seed of the keep model."""
+    """The text stack's layer sizes from the model's config: the seed of the keep model."""
+    config = getattr(model, "config", None)
+    if config is not None and not isinstance(getattr(config, "hidden_size", None), int):
+        try:
+            config = config.get_text_config()
+        except Exception:  # no text config, or an ambiguous composite one
+            return None
     for parameter in model.parameters():
         if parameter.is_floating_point():
-            return LayerShape.from_config(getattr(model, "config", None), parameter.element_size())
+            return LayerShape.from_config(config, parameter.element_size())
     return None
 
 
@@ -157,7 +175,7 @@ class OffloadController:
         if not targets:
             self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine)
+        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn)
         self.switch.on_measured = self._on_measured
         self.kept_model.seed = self.kept_model.seed or _layer_shape(model)
         self.compiled = is_compiled(model) if compiled is None else compiled
@@ -208,6 +226,8 @@ class OffloadController:
 
     @torch.compiler.disable
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.switch is not None:
+            self.switch.new_forward()
         if not module.training or not torch.is_grad_enabled():
             return
         shape = token_shape(args, kwargs)

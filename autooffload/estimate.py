@@ -35,6 +35,8 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+# Where a composite config keeps its language model's (transformers' get_text_config, and common remote code).
+TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config", "decoder", "generator")
 # An assumption, not a measurement: pinned host<->device copies reach about this over PCIe Gen4 x16, and a
 # PCIe Gen5 x16 link usually does better, so it errs on the slow side. Pass the figure measured on your machine.
 DEFAULT_HOST_BANDWIDTH_GBPS = 25.0
@@ -212,8 +214,9 @@ def seconds(value: float) -> str:
 
 
 def read_config(path: str | Path) -> tuple[int, int]:
-    """(layers, hidden) of a transformers ``config.json`` (or a folder holding one). A multimodal config's
-    ``text_config`` wins over its top level: the checkpointed decoder layers are the language model's."""
+    """(layers, hidden) of a transformers ``config.json`` (or a folder holding one). A composite config's text
+    section (``text_config``, ``llm_config``, ``language_config``, ``decoder``) wins over its top level, whose
+    ``hidden_size`` is absent or None in a VLM: the plan counts the language model's layers."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -227,9 +230,8 @@ def read_config(path: str | Path) -> tuple[int, int]:
         raise EstimateError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(config, dict):
         raise EstimateError(f"{path} holds a JSON {type(config).__name__}, not a config object")
-    scopes = [config]
-    if isinstance(config.get("text_config"), dict):
-        scopes.insert(0, config["text_config"])
+    text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    scopes = [*text, config]
     layers = _first_int(scopes, LAYER_KEYS)
     hidden = _first_int(scopes, HIDDEN_KEYS)
     missing = [what for what, value in (("layer count", layers), ("hidden size", hidden)) if value is None]

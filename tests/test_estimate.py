@@ -92,6 +92,11 @@ def test_multimodal_config_reads_the_text_model(tmp_path):
     assert est.read_config(path) == (28, 3584)
 
 
+def test_a_vlm_without_a_top_level_hidden_size_reads_its_language_model(tmp_path):
+    path = write_config(tmp_path, hidden_size=None, llm_config={"num_hidden_layers": 24, "hidden_size": 896})
+    assert est.read_config(path) == (24, 896)
+
+
 def test_other_key_names_and_a_model_folder(tmp_path):
     write_config(tmp_path, n_layer=12, n_embd=768)
     assert est.read_config(tmp_path) == (12, 768)

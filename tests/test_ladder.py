@@ -370,3 +370,35 @@ def test_the_measured_model_is_in_the_saved_state():
     resumed.end_step()  # a reading: the resumed run keeps at once, and measures nothing again
     resumed.before_forward(64, 64)
     assert resumed.switch.kept == LAYERS and not resumed.switch.measuring
+
+
+def test_a_container_models_kept_calls_run_the_layer_directly():
+    from test_layers import LAYERS as CALLS
+    from test_layers import layer_bytes, remote_model
+
+    lengths = [48, 48, 48]
+    reference = remote_model()
+    reference.gradient_checkpointing_enable()
+    net = remote_model()
+    net.gradient_checkpointing_enable()
+    controller = OffloadController(Settings(recompute="auto"), probe=Ample())
+    controller.attach(net)
+    losses, kept = train_loop(net.train(), controller, lengths)
+    assert kept == [0.0, 1.0, 1.0] and controller.switch.kept == CALLS
+    assert losses == train_loop(reference.train(), None, lengths)[0]
+    for parameter, other in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(parameter, other)
+    # The three rungs within one container's calls: call 0 offloads its layer input (not the mask), call 1
+    # recomputes, call 2 runs the layer directly; gradients equal plain checkpointing's.
+    controller.detach()
+    net.zero_grad()
+    reference.zero_grad()
+    stats = OffloadStats()
+    switch = CheckpointSwitch(find_targets(net)[0], stats)
+    switch.apply(1, 1)
+    switch.new_forward()
+    for model in (net, reference):
+        model(input_ids=ids(40), labels=ids(40)).loss.backward()
+    assert stats.step_bytes == layer_bytes(40)
+    for parameter, other in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(parameter.grad, other.grad)

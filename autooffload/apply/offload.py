@@ -45,13 +45,21 @@ def _pinned_allocator_available() -> bool:
     return torch.cuda.is_available()
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    """Which storage a tensor views; compared only while both tensors are alive."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks: pack copies a tensor to (pinned) host memory, unpack copies it back."""
 
-    def __init__(self, stats: OffloadStats) -> None:
+    def __init__(self, stats: OffloadStats, layer_input: torch.Tensor | None = None) -> None:
         pin = _pinned_allocator_available()
+        only = None if layer_input is None else storage_key(layer_input)
 
         def pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+            if only is not None and storage_key(tensor) != only:
+                return tensor.device, tensor
             stats.add(tensor.numel() * tensor.element_size())
             if tensor.device.type == "cpu":
                 return tensor.device, tensor
@@ -70,10 +78,11 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 class SyncEngine:
-    """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too."""
+    """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too;
+    of the tensors it saves, only the layer input's storage moves (all of them when none is named)."""
 
     def __init__(self, stats: OffloadStats) -> None:
         self.stats = stats
 
-    def hooks(self, last: bool) -> HostOffloadHooks:
-        return HostOffloadHooks(self.stats)
+    def hooks(self, last: bool, layer_input: torch.Tensor | None = None) -> HostOffloadHooks:
+        return HostOffloadHooks(self.stats, layer_input)

@@ -31,7 +31,8 @@ A race here corrupts gradients silently, so each one is named with the rule that
   per device, so a buffer handed out again is written only after every earlier copy from it ran. The host
   never reads or writes the buffers.
 
-What moves is the tensor's storage, once per region even if several saves share it (views come back as
+What moves is the layer input's storage (the switch names it: the call's first positional tensor; other
+saved inputs such as a causal mask stay), once per region even if several saves share it (views come back as
 views of one restored storage). Left on the device: the input of the last checkpointed layer (its backward
 starts right after the forward, so a copy would come straight back), storages below ``min_bytes`` (a small
 view of a large storage moves with it: kept, it would keep the whole storage on the device),
@@ -58,7 +59,7 @@ from typing import Any
 import torch
 
 from ..warn import WarnOnce
-from .offload import OffloadStats, _pinned_allocator_available
+from .offload import OffloadStats, _pinned_allocator_available, storage_key
 
 MIN_BYTES = 1024
 MIN_FREE = 0.10
@@ -294,11 +295,18 @@ class _Packed:
 
 
 class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, engine: StreamEngine, keep: bool) -> None:
+    def __init__(self, engine: StreamEngine, keep: bool, layer_input: torch.Tensor | None) -> None:
         self.engine = engine
         self.region = engine._open_region()
         region = self.region
-        super().__init__(lambda tensor: engine._pack(tensor, region, keep), engine._unpack)
+        only = None if layer_input is None else storage_key(layer_input)
+
+        def pack(tensor: torch.Tensor) -> _Packed:
+            if only is not None and storage_key(tensor) != only:
+                return _Packed(region, tensor=tensor)
+            return engine._pack(tensor, region, keep)
+
+        super().__init__(pack, engine._unpack)
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
@@ -333,9 +341,10 @@ class StreamEngine:
         self._serial = 0
         self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
 
-    def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks:
-        """Hooks for one call of a checkpointed layer; ``last``: the layer whose input stays on the device."""
-        return _RegionHooks(self, keep=last)
+    def hooks(self, last: bool, layer_input: torch.Tensor | None = None) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks for one call of a checkpointed layer; ``last``: the layer whose input stays on the device;
+        ``layer_input``: the only tensor whose storage may move (any offloadable one when None)."""
+        return _RegionHooks(self, last, layer_input)
 
     def _open_region(self) -> _Region:
         previous = self._last() if self._last is not None else None

@@ -8,6 +8,18 @@ Two kinds of module run torch's checkpoint on their own forward:
   at the next layer forward.
 - torch's ``CheckpointWrapper`` (accelerate's FSDP ``activation_checkpointing``): ``checkpoint_fn``.
 
+What counts as a layer. A module that checkpoints its own forward (transformers' ``GradientCheckpointingLayer``,
+4.52+, or a ``CheckpointWrapper``) is one layer. A module with the flag that holds no checkpointed module
+itself is a *container*: its forward calls ``self._gradient_checkpointing_func(layer.__call__, hidden, mask,
+...)`` once per layer (many model files on 4.52, remote code on any release), so its calls within one forward
+are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
+is known before the first forward, and an installed dispatcher (:class:`LayerCalls`) runs call i with layer
+i's function, counting from 0 again at every forward of the attached model. Layers are grouped in *stacks*
+(the ModuleList they share); only the stack that consumes the tokens (:func:`text_stack`) is planned, the
+others (a VLM's vision blocks) keep plain checkpointing. Of a layer call's saved inputs only the layer input
+moves (its first positional tensor): masks, position ids and position embeddings that reach the checkpoint
+as positional arguments stay, and so does an input already moved in the same forward.
+
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
 under the saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.apply.offload.HostOffloadHooks`;
@@ -21,12 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..warn import WarnOnce
 from .keep import keep_function, measuring_keep_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
 
@@ -35,14 +49,27 @@ NOT_TORCH_KEYS = ("offload", "every_n_layers")
 
 @dataclasses.dataclass
 class CheckpointTarget:
-    """One module whose checkpoint function autooffload controls."""
+    """One module whose checkpoint function autooffload controls.
+
+    ``kind``: ``"layer"`` checkpoints its own forward (one call per forward); ``"container"`` calls the
+    function once per layer of the ModuleList ``stack`` (``size`` layers); ``"outer"`` holds checkpointed
+    layers and is not expected to call it. ``stack``: the ModuleList its layers belong to (for a layer, its
+    parent); ``text``: that stack consumes ``input_ids``/``inputs_embeds`` (see :func:`text_stack`).
+    """
 
     name: str
     module: torch.nn.Module
     attribute: str
     original: Callable[..., Any]
     kwargs: dict[str, Any]
-    is_layer: bool = True
+    kind: str = "layer"
+    stack: str = ""
+    size: int = 1
+    text: bool = True
+
+    @property
+    def is_layer(self) -> bool:
+        return self.kind == "layer"
 
 
 def _checkpoint_wrapper_type() -> type | None:
@@ -106,9 +133,87 @@ def find_targets(
             continue
         found.append(CheckpointTarget(name, module, attribute, original, kwargs))
     for target in found:
-        prefix = target.name + "." if target.name else ""
-        target.is_layer = not any(other.name.startswith(prefix) for other in found if other is not target)
+        _classify(target, found)
+    text = text_stack(model, found)
+    for target in found:
+        target.text = target.stack == text
     return found, unknown
+
+
+def _classify(target: CheckpointTarget, found: list[CheckpointTarget]) -> None:
+    """Layer, container or outer, and the stack: from the module's class and the modules it holds."""
+    prefix = target.name + "." if target.name else ""
+    if any(other.name.startswith(prefix) for other in found if other is not target):
+        target.kind, target.stack = "outer", target.name
+        return
+    layers = None if _checkpoints_itself(target.module) else _repeated_blocks(target.module)
+    if layers is None:
+        target.kind, target.stack = "layer", target.name.rpartition(".")[0]
+        return
+    list_name, size = layers
+    configured = getattr(getattr(target.module, "config", None), "num_hidden_layers", None)
+    if isinstance(configured, int) and not isinstance(configured, bool) and 0 < configured < size:
+        size = configured  # e.g. Gemma2 on 4.52 loops over ``self.layers[: config.num_hidden_layers]``
+    target.kind, target.stack, target.size = "container", prefix + list_name, size
+
+
+def _checkpoints_itself(module: torch.nn.Module) -> bool:
+    """transformers' ``GradientCheckpointingLayer`` (4.52+) and torch's ``CheckpointWrapper`` checkpoint their
+    own forward; a model or remote-code module with the flag calls the function for its children."""
+    wrapper_type = _checkpoint_wrapper_type()
+    if wrapper_type is not None and isinstance(module, wrapper_type):
+        return True
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
+def _repeated_blocks(module: torch.nn.Module) -> tuple[str, int] | None:
+    """(name, length) of the ModuleList of blocks a container's checkpoint calls go to: the shallowest
+    ModuleList whose items are all of one class (the decoder layers, not the experts inside one), the longest
+    of those; None when the module holds none."""
+    best: tuple[int, int, str] | None = None
+    for name, child in module.named_modules():
+        if not isinstance(child, torch.nn.ModuleList) or len(child) == 0:
+            continue
+        if len({type(item) for item in child}) != 1:
+            continue
+        rank = (-name.count("."), len(child), name)
+        if best is None or rank[:2] > best[:2]:
+            best = rank
+    return None if best is None else (best[2], best[1])
+
+
+def text_stack(model: torch.nn.Module, targets: list[CheckpointTarget]) -> str | None:
+    """The stack that consumes ``input_ids``/``inputs_embeds``: the one whose owner shares the longest module
+    path with the input embedding (a VLM's ``language_model.layers``, not its ``visual.blocks``); ties, or no
+    embedding to go by, go to the stack with more layers, then to the later one in module order."""
+    sizes: dict[str, int] = {}
+    for target in targets:
+        if target.kind != "outer":
+            sizes[target.stack] = sizes.get(target.stack, 0) + target.size
+    if not sizes:
+        return None
+    embedding = _input_embedding_name(model)
+    owner = embedding.split(".")[:-1] if embedding is not None else []
+
+    def shared(stack: str) -> int:
+        path = stack.split(".")[:-1] if stack else []
+        count = 0
+        for mine, theirs in zip(path, owner, strict=False):
+            if mine != theirs:
+                break
+            count += 1
+        return count
+
+    order = list(sizes)
+    return max(order, key=lambda stack: (shared(stack), sizes[stack], order.index(stack)))
+
+
+def _input_embedding_name(model: torch.nn.Module) -> str | None:
+    try:
+        embedding = model.get_input_embeddings()
+    except Exception:  # not a transformers model, or one that does not implement it
+        return None
+    return next((name for name, module in model.named_modules() if module is embedding), None)
 
 
 def _plain_function(kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -119,9 +224,16 @@ def _plain_function(kwargs: dict[str, Any]) -> Callable[..., Any]:
 
 
 class OffloadEngine(Protocol):
-    """Makes the saved-tensor hooks for one call of a checkpointed layer (``last``: the model's last one)."""
+    """Makes the saved-tensor hooks for one call of a checkpointed layer.
 
-    def hooks(self, last: bool) -> torch.autograd.graph.saved_tensors_hooks: ...
+    ``last``: the text stack's last layer. ``layer_input``: the layer's input (the first positional tensor of
+    the call); only its storage moves, so masks, position ids and position embeddings that reach the
+    checkpoint as positional arguments stay where they are. ``None``: no such filter.
+    """
+
+    def hooks(
+        self, last: bool, layer_input: torch.Tensor | None = None
+    ) -> torch.autograd.graph.saved_tensors_hooks: ...
 
 
 def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
@@ -134,46 +246,138 @@ def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) 
     raise ValueError(f"unknown offload engine {name!r}")
 
 
-def _offload_function(kwargs: dict[str, Any], engine: OffloadEngine, last: bool) -> Callable[..., Any]:
+class ForwardState:
+    """What the checkpoint functions share within one forward of the attached model: the layer inputs already
+    handed to the engine (one is not moved twice), and each container's call counter. The controller's
+    pre-forward hook calls :meth:`new_forward` before every forward."""
+
+    def __init__(self) -> None:
+        self.moved: list[weakref.ref] = []
+        self.calls: list[LayerCalls] = []
+
+    def new_forward(self) -> None:
+        self.moved.clear()
+        for calls in self.calls:
+            calls.count = 0
+
+    @torch.compiler.disable
+    def claim(self, args: tuple) -> torch.Tensor | None:
+        """The layer input of a call (its first positional tensor), or None when there is none or it was already
+        handed to the engine in this forward."""
+        layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        self.moved = [ref for ref in self.moved if ref() is not None]
+        if layer_input is None or any(ref() is layer_input for ref in self.moved):
+            return None
+        self.moved.append(weakref.ref(layer_input))
+        return layer_input
+
+
+class LayerCalls:
+    """Per-call dispatch for a container target: its i-th call in a forward is layer i of its stack and runs
+    ``functions[i]``; a call beyond the stack's size runs ``beyond``. ``apply`` writes the slots, the installed
+    function (:func:`_dispatch_function`) only reads them, so a new kind of call (e.g. one that keeps the
+    layer's activations and calls it directly) is a new function in a slot."""
+
+    def __init__(self, target: CheckpointTarget, plain: Callable[..., Any]) -> None:
+        self.target = target
+        self.functions: list[Callable[..., Any]] = [plain] * target.size
+        self.beyond = plain
+        self.count = 0
+
+    def next(self) -> Callable[..., Any]:
+        index = self.count
+        self.count = index + 1
+        return self.functions[index] if index < len(self.functions) else self.beyond
+
+
+def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
+    def checkpoint_layer_call(function, *args, **call_kwargs):
+        return calls.next()(function, *args, **call_kwargs)
+
+    return checkpoint_layer_call
+
+
+def _offload_function(
+    kwargs: dict[str, Any], engine: OffloadEngine, last: bool, forward: ForwardState
+) -> Callable[..., Any]:
     def checkpoint_offload(function, *args, **call_kwargs):
-        with engine.hooks(last):
+        layer_input = forward.claim(args)
+        if layer_input is None:
+            return checkpoint(function, *args, **kwargs, **call_kwargs)
+        with engine.hooks(last, layer_input):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload
 
 
-class CheckpointSwitch:
-    """Holds, for every target, the plain, the offloading and the keep function, and installs one of them.
+@dataclasses.dataclass(frozen=True)
+class LayerSlot:
+    """Layer ``index`` of a target: the target itself for a layer, one of a container's calls otherwise."""
 
-    ``apply(k, keep)`` makes the first ``k`` layers (in module order: their inputs are saved earliest and live
-    longest) offload, the last ``keep`` layers run without checkpointing (:mod:`~autooffload.apply.keep`)
-    and the others recompute; container targets (a model that holds checkpointed layers) offload whenever
-    any layer does. ``engine``: ``"sync"``, ``"stream"`` or an :class:`OffloadEngine`. With ``measure``, the
-    first kept layer counts what it saved and hands the bytes to ``on_measured``.
+    target: CheckpointTarget
+    index: int = 0
+
+
+class CheckpointSwitch:
+    """Holds, for every layer of the text stack, the plain, the offloading and the keep function, and installs
+    one of them.
+
+    ``apply(k, keep)`` makes the first ``k`` layers of the text stack (in order: their inputs are saved earliest
+    and live longest) offload, the last ``keep`` run without checkpointing (:mod:`~autooffload.apply.keep`: a
+    container's call runs ``layer.__call__`` directly, a ``CheckpointWrapper`` its wrapped module) and the others
+    recompute. With ``measure``, the first kept layer counts what it saved and hands the bytes to
+    ``on_measured``. The layers are the text stack's layer targets, or, for a
+    container target, its calls in one forward (:class:`LayerCalls`). Other stacks (a VLM's vision blocks)
+    and outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
+    :class:`OffloadEngine`.
     """
 
     def __init__(
-        self, targets: list[CheckpointTarget], stats: OffloadStats, engine: str | OffloadEngine = "sync"
+        self,
+        targets: list[CheckpointTarget],
+        stats: OffloadStats,
+        engine: str | OffloadEngine = "sync",
+        warn: WarnOnce | None = None,
     ) -> None:
         self.targets = targets
-        self.layers = [t for t in targets if t.is_layer]
+        self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
         self.engine = make_engine(engine, stats, modules) if isinstance(engine, str) else engine
-        self._functions = {}
-        for target in targets:
-            last = bool(self.layers) and target is self.layers[-1]
-            plain, offload = _plain_function(target.kwargs), _offload_function(target.kwargs, self.engine, last)
-            keep = keep_function()
-            measured = measuring_keep_function(functools.partial(parameter_storages, [target.module]), self._measured)
-            for function in (plain, offload, keep, measured):
-                function._autooffload_original = target.original
-                function._autooffload_kwargs = target.kwargs
-            self._functions[id(target)] = (plain, offload, keep, measured)
+        self.forward = ForwardState()
+        self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
+        self._calls: dict[int, LayerCalls] = {}
+        self.layers = [LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)]
+        self._offload = [
+            self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
+            for s in self.layers
+        ]
         self.on_measured: Callable[[int], None] | None = None
+        self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
+        self._keep_measured = [
+            self._tag(
+                measuring_keep_function(functools.partial(parameter_storages, [s.target.module]), self._measured),
+                s.target,
+            )
+            for s in self.layers
+        ]
+        for target in targets:
+            if target.kind == "container" and target.text:
+                calls = LayerCalls(target, self._plain[id(target)])
+                self._calls[id(target)] = calls
+                self.forward.calls.append(calls)
+                setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target))
+            else:
+                self._install(target, self._plain[id(target)])
         self.offloaded = -1
         self.kept = 0
         self.measuring = False
         self.apply(0)
+
+    @staticmethod
+    def _tag(function: Callable[..., Any], target: CheckpointTarget) -> Callable[..., Any]:
+        function._autooffload_original = target.original
+        function._autooffload_kwargs = target.kwargs
+        return function
 
     def apply(self, k: int, keep: int = 0, measure: bool = False) -> None:
         k = max(0, min(k, len(self.layers)))
@@ -182,25 +386,38 @@ class CheckpointSwitch:
         if (k, keep, measure) == (self.offloaded, self.kept, self.measuring):
             return
         first_kept = len(self.layers) - keep
-        for index, target in enumerate(self.layers):
-            if index >= first_kept:
-                self._install_keep(target, measure and index == first_kept)
+        for position, slot in enumerate(self.layers):
+            if position >= first_kept:
+                function = (self._keep_measured if measure and position == first_kept else self._keep)[position]
             else:
-                self._install(target, offload=index < k)
-        for target in self.targets:
-            if not target.is_layer:
-                self._install(target, offload=k > 0)
+                function = self._offload[position] if position < k else self._plain[id(slot.target)]
+            calls = self._calls.get(id(slot.target))
+            if calls is not None:
+                calls.functions[slot.index] = function
+            else:
+                self._install(slot.target, function)
         self.offloaded, self.kept, self.measuring = k, keep, measure
-
-    def _install(self, target: CheckpointTarget, offload: bool) -> None:
-        setattr(target.module, target.attribute, self._functions[id(target)][int(offload)])
-
-    def _install_keep(self, target: CheckpointTarget, measure: bool) -> None:
-        setattr(target.module, target.attribute, self._functions[id(target)][3 if measure else 2])
 
     def _measured(self, nbytes: int) -> None:
         if self.on_measured is not None:
             self.on_measured(nbytes)
+
+    def new_forward(self) -> None:
+        """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
+        container called its function more often in one forward than its stack has layers."""
+        for calls in self._calls.values():
+            if calls.count > len(calls.functions):
+                target = calls.target
+                self.warn(
+                    f"container-calls:{target.name}",
+                    f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
+                    f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
+                    "those run plain checkpointing",
+                )
+        self.forward.new_forward()
+
+    def _install(self, target: CheckpointTarget, function: Callable[..., Any]) -> None:
+        setattr(target.module, target.attribute, function)
 
     def restore(self) -> None:
         """Put back the functions found at construction."""

@@ -1,0 +1,484 @@
+"""Every GPU claim of autooffload, measured in one call: the script to run first whenever a GPU is lent.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py --out benchmarks/results/$(date +%F)-h200   # one CUDA GPU
+    PYTHONPATH=. python benchmarks/gpu_check.py --out /tmp/check --device cpu --quick      # the same code, seconds
+
+GPU time is rare and brief, so one call must bring back everything and a call cut short must keep what
+finished. The parts run in order of value, each in its own process (a crash or an out-of-memory error in
+one cannot take the others down, and each starts with an empty device) with its own time budget inside the
+total (``--budget-s``, default 480 s: 8 minutes). Each part writes ``<part>.json`` into ``--out`` as soon as
+it ends; after every part ``gpu_check.json`` and ``gpu_check.md`` (the summary and one verdict per target)
+are rewritten, and ``gpu_check.log`` holds everything the parts printed. Eight files at most.
+
+1. ``engines``: the offload engines at 28 layers x hidden 2048 x 32k tokens (bf16, batch 1): bytes freed
+   after the forward against the arithmetic (``sync``: every layer input; ``stream``: all but the last), and
+   median step time against plain checkpointing. A short bf16 gradient check against plain comes first
+   (a stream race shows up there as an error above the device's own noise).
+2. ``mixed``: the mixed-length trace of ``benchmarks/bench.py`` (one long micro-batch in five) under
+   plain checkpointing, ``always`` and ``auto``, interleaved step by step.
+3. ``memory_model``: the predictive policy's predicted peak before every step against the allocator's
+   real peak of that step, on a trace of lengths it has partly not seen.
+4. ``probe``: NVML, the caching allocator and ``mem_get_info`` read side by side while a step fills,
+   frees, empties the cache and refills device memory (why the probe reads what it reads).
+5. ``smoke``: the distributed smoke test in its one-GPU form (``benchmarks/multi_gpu_smoke.py``'s FSDP2
+   part: torch's CheckpointWrapper under ``fully_shard``, the controller attached, bytes against the
+   arithmetic).
+
+Targets (verdicts): stream overhead under 1% and at most a quarter of sync's; freed bytes within 0.5% of
+the arithmetic; the predicted peak never below the real one by more than 2% once the policy has samples,
+and not above it by more than its margin allows. A part that needs a package the machine lacks says so and
+is skipped; the others run. Exit status 0 when every verdict that was reached passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+for path in (str(ROOT), str(HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+PARTS = ("engines", "mixed", "memory_model", "probe", "smoke")
+BUDGETS_S = {"engines": 170, "mixed": 90, "memory_model": 80, "probe": 30, "smoke": 70}
+START_UP_S = 40  # importing torch and transformers, building the model: outside a part's own clock
+MIN_PART_S = 20
+QUICK_PART_S = 600  # --quick checks the script, not the clock: no part is cut short for time
+FREED_TOLERANCE = 0.005
+UNDER_PREDICTION_TOLERANCE = 0.02
+OVER_PREDICTION_LIMIT = 0.25
+
+
+def emit(line: str) -> None:
+    print(f"gpu_check: {line}", flush=True)
+
+
+# ---- 1. engines -----------------------------------------------------------------------------------------
+
+
+def part_engines(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
+    import engine_check
+    import torch
+
+    target = engine_check.Device(device)
+    if quick:
+        grad_config, shape, vocab, measured = (*engine_check.QUICK_GRAD_CONFIGS["tiny"][:-1], 2), (2, 64, 128), 256, 1
+    else:
+        grad_config, shape, vocab, measured = (*engine_check.GRAD_CONFIGS["tiny"][:-1], 10), (28, 2048, 32768), 32768, 4
+    gradients = engine_check.gradient_check("tiny", grad_config, torch.bfloat16, target)
+    emit(f"engines: gradients sync={gradients['sync']['pass']} stream={gradients['stream']['pass']}")
+    timing = engine_check.time_shape(shape, vocab, measured, target)
+    layers, _, _ = shape
+    layer_bytes = timing["layer_input_bytes"]
+    verdicts = {"gradients_match_plain": gradients["sync"]["pass"] and gradients["stream"]["pass"]}
+    freed = {}
+    for engine, moved_layers in (("sync", layers), ("stream", layers - 1)):
+        expected = moved_layers * layer_bytes
+        measured_freed = timing[f"{engine}_freed"]
+        freed[engine] = {"freed": measured_freed, "expected": expected}
+        if measured_freed is not None:
+            freed[engine]["ratio"] = measured_freed / expected
+            verdicts[f"{engine}_freed_within_0.5pct"] = abs(measured_freed / expected - 1) <= FREED_TOLERANCE
+    if target.cuda:
+        stream, sync = timing["stream_overhead"], timing["sync_overhead"]
+        verdicts["stream_overhead_under_1pct"] = stream < 0.01
+        verdicts["stream_overhead_at_most_quarter_of_sync"] = stream <= max(sync, 0.0) / 4
+    emit(f"engines: sync overhead {timing['sync_overhead']:+.2%}, stream {timing['stream_overhead']:+.2%}")
+    return {"gradients": gradients, "timing": timing, "freed": freed, "verdicts": verdicts}
+
+
+# ---- 2. the mixed trace ---------------------------------------------------------------------------------
+
+
+def part_mixed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
+    import bench
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    plan = bench.make_plan(device, quick=True, budget_s=budget_s)
+    if quick:
+        plan = dataclasses.replace(plan, mixed_lengths=bench.mixed_lengths(32, 128, 6), mixed_shape=(2, 64))
+    model = bench.build_model(plan, *plan.mixed_shape, max(plan.mixed_lengths))
+    mixed = bench.measure_mixed(model, plan, bench.Clock(budget_s))
+    summary = mixed["summary"]
+    verdicts = {"auto_not_slower_than_always": summary["auto"]["total_s"] <= summary["always"]["total_s"] * 1.02}
+    for name, row in summary.items():
+        emit(f"mixed: {name}: {row['total_s']:.2f} s, ratio {row['ratio']:.3f}, offloaded {row['steps_offloaded']}")
+    return {"mixed": mixed, "verdicts": verdicts}
+
+
+# ---- 3. the predictive memory model ---------------------------------------------------------------------
+
+
+class SyntheticProbe:
+    """``--device cpu`` only: a reading linear in the step's tokens, so that the comparison runs on a CPU.
+    Its numbers mean nothing; on a GPU the real probe (NVML and the caching allocator) reads the device."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def read(self):
+        from autooffload import MemoryReading
+
+        return MemoryReading(2**30 + self.tokens * 2**20, 80 * 2**30)
+
+
+def predicted_peak(policy: Any, tokens: int, bytes_per_layer: int | None) -> float | None:
+    """What the policy predicts for a step of ``tokens`` offloading nothing; None where it cannot say."""
+    predict = getattr(policy, "predict", None)
+    if predict is None:
+        return None
+    try:
+        return predict(tokens, bytes_per_layer)
+    except TypeError:
+        return predict(tokens)
+
+
+def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
+    import engine_check
+    import torch
+
+    from autooffload import OffloadController, PredictivePolicy, Settings
+
+    cuda = device.startswith("cuda")
+    if quick:
+        shape, lengths = (2, 64, 128, 4, 2, 16, 256), [32, 64, 128, 32, 96, 160]
+    else:
+        shape, lengths = (16, 1024, 3072, 16, 8, 64, 32768), [2048, 4096, 8192, 2048, 16384, 4096, 24576, 32768]
+    model = engine_check.qwen3(*shape, torch.bfloat16, torch.device(device))
+    probe = "auto" if cuda else SyntheticProbe()
+    controller = OffloadController(Settings(policy="predictive"), probe=probe)
+    controller.attach(model, compiled=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rows = []
+    started = time.perf_counter()
+    for step, seq in enumerate(lengths):
+        if time.perf_counter() - started > budget_s:
+            rows.append({"step": step, "seq": seq, "skipped": "time budget"})
+            break
+        per_layer = round(controller.layer_token_bytes * seq) if controller.layer_token_bytes else None
+        predicted = predicted_peak(controller.policy, seq, per_layer)
+        ids = engine_check.tokens(step, 1, seq, shape[-1], torch.device(device))
+        if isinstance(probe, SyntheticProbe):
+            probe.tokens = seq
+        began = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+        level = controller.switch.offloaded if controller.switch is not None else 0
+        controller.end_step()
+        reading = controller.memory_bytes
+        as_if_plain = None if reading is None else reading + level * (per_layer or 0)
+        row = {"step": step, "seq": seq, "predicted": predicted, "reading": reading, "offloaded_layers": level}
+        row.update(as_if_plain=as_if_plain, seconds=round(seconds, 3))
+        if predicted and as_if_plain:
+            row["real_over_predicted"] = as_if_plain / predicted
+        rows.append(row)
+        emit(f"memory_model: step {step} seq {seq}: predicted {_gib(predicted)}, real {_gib(as_if_plain)}")
+    compared = [row["real_over_predicted"] for row in rows if "real_over_predicted" in row]
+    verdicts = {}
+    if compared and cuda:
+        verdicts["never_under_predicted_by_2pct"] = max(compared) <= 1 + UNDER_PREDICTION_TOLERANCE
+        verdicts["over_prediction_at_most_25pct"] = min(compared) >= 1 / (1 + OVER_PREDICTION_LIMIT)
+    result = {"probe": "NVML + allocator" if cuda else "synthetic (cpu)", "rows": rows, "verdicts": verdicts}
+    result["policy"] = type(controller.policy).__name__
+    if isinstance(controller.policy, PredictivePolicy):
+        result["samples"] = [list(sample) for sample in controller.policy.samples]
+    result["ladder"] = "not measured: the keep/recompute/offload ladder is not in this checkout"
+    return result
+
+
+def _gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+# ---- 4. the probe ---------------------------------------------------------------------------------------
+
+
+def memory_readers(device: str) -> dict[str, Callable[[], int]]:
+    """Every reading of used device memory this machine offers, in bytes."""
+    import torch
+
+    if not device.startswith("cuda"):
+        import psutil
+
+        return {"process_rss": lambda: psutil.Process().memory_info().rss}
+    from autooffload import NvmlProbe
+
+    index = torch.device(device).index or 0
+    probe = NvmlProbe(torch.device("cuda", index))
+    nvml = probe._nvml
+
+    def mem_get_info_used() -> int:
+        free, total = torch.cuda.mem_get_info(index)
+        return total - free
+
+    return {
+        "probe_step_peak": lambda: probe.read().used_bytes,
+        "allocated": lambda: torch.cuda.memory_allocated(index),
+        "reserved": lambda: torch.cuda.memory_reserved(index),
+        "nvml_used": lambda: int(nvml.nvmlDeviceGetMemoryInfo(probe._handle).used),
+        "mem_get_info_used": mem_get_info_used,
+    }
+
+
+def part_probe(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
+    import torch
+
+    readers = memory_readers(device)
+    size = 2**20 if quick else 8 * 2**30
+    phases = []
+
+    def snapshot(label: str) -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        phases.append({"phase": label, **{name: read() for name, read in readers.items()}})
+        emit(f"probe: {label}: " + ", ".join(f"{k} {_gib(v)}" for k, v in phases[-1].items() if k != "phase"))
+
+    snapshot("baseline")
+    block = torch.ones(size // 4, dtype=torch.float32, device=device)
+    snapshot("filled")
+    del block
+    snapshot("freed")
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    snapshot("cache emptied")
+    block = torch.ones(size // 8, dtype=torch.float32, device=device)
+    snapshot("refilled half")
+    del block
+    verdicts = {}
+    if "probe_step_peak" in readers:
+        by = {phase["phase"]: phase for phase in phases}
+        # The step peak reset by each reading: "freed" still holds the peak of the "filled" interval.
+        verdicts["probe_falls_after_free"] = (
+            by["cache emptied"]["probe_step_peak"] < by["filled"]["probe_step_peak"] - size / 2
+        )
+        verdicts["probe_sees_refill"] = (
+            by["refilled half"]["probe_step_peak"] >= by["cache emptied"]["probe_step_peak"] + size / 4
+        )
+        verdicts["mem_get_info_matches_nvml_within_1pct"] = all(
+            abs(p["mem_get_info_used"] - p["nvml_used"]) <= 0.01 * max(p["nvml_used"], 1) for p in phases
+        )
+    return {"bytes_filled": size, "phases": phases, "verdicts": verdicts}
+
+
+# ---- 5. the distributed smoke test, one GPU ---------------------------------------------------------------
+
+
+def part_smoke(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
+    import tempfile
+
+    import multi_gpu_smoke
+
+    multi_gpu_smoke.PART_TIMEOUT_S = max(int(budget_s), 10)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = multi_gpu_smoke.run_part("fsdp2", "cuda" if device.startswith("cuda") else "cpu", Path(scratch))
+    return {"fsdp2": result, "verdicts": {"fsdp2_bytes_match_arithmetic": bool(result.get("ok"))}}
+
+
+RUNNERS: dict[str, Callable[[str, bool, float], dict[str, Any]]] = {
+    "engines": part_engines,
+    "mixed": part_mixed,
+    "memory_model": part_memory_model,
+    "probe": part_probe,
+    "smoke": part_smoke,
+}
+
+
+def run_inside(part: str, device: str, quick: bool, budget_s: float, out: Path) -> int:
+    """One part, in the child process: its result (or why it did not finish) goes to ``<part>.json``."""
+    import torch
+
+    warnings.simplefilter("ignore")
+    started = time.perf_counter()
+    try:
+        if part != "probe":
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+        result = RUNNERS[part](device, quick, budget_s)
+    except ImportError as error:
+        result = {"skipped": f"missing package: {error.name or error}"}
+    except torch.cuda.OutOfMemoryError as error:
+        result = {"error": f"out of device memory: {str(error).splitlines()[0]}"}
+    except Exception as error:  # reported, so that the other parts and the summary still come back
+        result = {"error": f"{type(error).__name__}: {error}"}
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    (out / f"{part}.json").write_text(json.dumps(result, indent=2, default=str))
+    return 0 if "error" not in result else 1
+
+
+# ---- the parent: budgets, processes, summary ------------------------------------------------------------
+
+
+def run_part(part: str, options: argparse.Namespace, budget_s: float, log_path: Path) -> dict[str, Any]:
+    """``part`` in its own process group, killed if it outlives its budget plus start-up; its output is
+    appended to the log, and its ``gpu_check:`` lines are echoed here."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("CUDA_LAUNCH_BLOCKING", None)  # the engines' races must be able to happen
+    command = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--out", str(options.out)]
+    command += ["--device", options.device, "--budget-s", f"{budget_s:.0f}"] + (["--quick"] if options.quick else [])
+    result_file = options.out / f"{part}.json"
+    result_file.unlink(missing_ok=True)
+    timeout = budget_s + START_UP_S
+    started = time.perf_counter()
+    with log_path.open("a") as log:
+        log.write(f"==== {part}\n")
+        log.flush()
+        offset = log.tell()
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            returncode, timed_out = process.wait(), True
+    with log_path.open() as log:
+        log.seek(offset)
+        for line in log:
+            if line.startswith("gpu_check:"):
+                print(line, end="", flush=True)
+    if result_file.exists():
+        result = json.loads(result_file.read_text())
+    else:
+        reason = f"killed after {timeout:.0f} s" if timed_out else f"exit status {returncode}, no result"
+        result = {"error": reason}
+        result_file.write_text(json.dumps(result, indent=2))
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def summary(results: dict[str, dict[str, Any]], environment: dict[str, Any]) -> str:
+    lines = ["# autooffload GPU check", "", _environment_line(environment), ""]
+    lines += ["| part | status | seconds | verdicts |", "|---|---|---|---|"]
+    for part in PARTS:
+        result = results.get(part)
+        if result is None:
+            lines.append(f"| {part} | not run | | |")
+            continue
+        status = result.get("skipped") or result.get("error") or "done"
+        verdicts = ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in result.get("verdicts", {}).items())
+        lines.append(f"| {part} | {status} | {result.get('wall_s', '')} | {verdicts or '-'} |")
+    lines += ["", "## Figures", "", *figures(results), "", "## Verdicts", ""]
+    for part, result in results.items():
+        for name, ok in result.get("verdicts", {}).items():
+            lines.append(f"- {part}.{name}: {'PASS' if ok else 'FAIL'}")
+    return "\n".join(lines) + "\n"
+
+
+def _environment_line(environment: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in environment.items())
+
+
+def figures(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The numbers a reader wants without opening the JSON."""
+    out = []
+    engines = results.get("engines", {})
+    timing = engines.get("timing")
+    if timing:
+        s, plain = timing["shape"], timing["blocks"]["plain"]["median_s"]
+        out.append(
+            f"- engines at {s['layers']}x{s['hidden']}x{s['seq']}: plain {plain:.3f} s; "
+            f"sync overhead {timing['sync_overhead']:+.2%}, stream {timing['stream_overhead']:+.2%}"
+        )
+        for engine, freed in engines.get("freed", {}).items():
+            ratio = freed.get("ratio")
+            out.append(f"- {engine} freed {_gib(freed['freed'])} of {_gib(freed['expected'])}"
+                       + (f" ({ratio:.4f})" if ratio is not None else ""))  # fmt: skip
+    mixed = results.get("mixed", {}).get("mixed")
+    if mixed:
+        rows = ", ".join(
+            f"{name} {row['total_s']:.2f} s ({row['ratio']:.3f})" for name, row in mixed["summary"].items()
+        )
+        out.append(f"- mixed trace {mixed['lengths']}: {rows}")
+    model = results.get("memory_model", {})
+    ratios = [row["real_over_predicted"] for row in model.get("rows", []) if "real_over_predicted" in row]
+    if ratios:
+        out.append(f"- memory model ({model['probe']}): real/predicted from {min(ratios):.3f} to {max(ratios):.3f}")
+    return out or ["- none yet"]
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    found: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    for name in ("transformers", "accelerate", "deepspeed", "pynvml"):
+        try:
+            module = __import__(name)
+            found[name] = getattr(module, "__version__", "present")
+        except ImportError:
+            found[name] = "absent"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a check of the script, in seconds")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="the whole call's budget (480 s)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    options.out.mkdir(parents=True, exist_ok=True)
+    if options.part is not None:
+        return run_inside(options.part, options.device, options.quick, options.budget_s, options.out)
+
+    import torch
+
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        emit("no CUDA device; use --device cpu --quick for a dry run")
+        return 2
+    chosen = [part for part in options.parts.split(",") if part]
+    unknown = sorted(set(chosen) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; known: {', '.join(PARTS)}")
+    env = environment(options.device)
+    emit(_environment_line(env))
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    scale = options.budget_s / 480.0
+    log = options.out / "gpu_check.log"
+    log.write_text("")
+    for part in PARTS:
+        if part not in chosen:
+            continue
+        left = options.budget_s - (time.perf_counter() - started) - START_UP_S
+        budget = QUICK_PART_S if options.quick else min(BUDGETS_S[part] * scale, left)
+        if budget < MIN_PART_S and not options.quick:
+            results[part] = {"skipped": f"no time left ({left:.0f} s)"}
+        else:
+            emit(f"{part}: start, budget {budget:.0f} s")
+            results[part] = run_part(part, options, budget, log)
+        (options.out / "gpu_check.json").write_text(
+            json.dumps({"environment": env, "parts": results}, indent=2, default=str)
+        )
+        (options.out / "gpu_check.md").write_text(summary(results, env))
+    text = summary(results, env)
+    print(text)
+    verdicts = [ok for result in results.values() for ok in result.get("verdicts", {}).values()]
+    errors = [part for part, result in results.items() if "error" in result]
+    return 0 if all(verdicts) and not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The one-call GPU check runs on the CPU in its quick form, so that a change that would break it on the GPU
+breaks here first: every part, the files it leaves, the summary, and a part killed for overrunning."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="the GPU machine runs transformers 5.x; one environment is enough for this minute-long check",
+)
+def test_quick_cpu_run_exercises_every_part(tmp_path):
+    result = run("--out", str(tmp_path), "--device", "cpu", "--quick")
+    report = tmp_path / "gpu_check.json"
+    assert result.returncode == 0, (
+        result.stdout[-3000:] + result.stderr[-3000:] + (report.read_text() if report.exists() else "")
+    )
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted(
+        [f"{part}.json" for part in gpu_check.PARTS] + ["gpu_check.json", "gpu_check.md", "gpu_check.log"]
+    )
+    assert len(files) <= 8  # what the device tool brings back from $OUT
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert set(parts) == set(gpu_check.PARTS)
+    for name, part in parts.items():
+        assert "error" not in part and "skipped" not in part, (name, part)
+    assert parts["engines"]["verdicts"] == {"gradients_match_plain": True}
+    assert parts["smoke"]["verdicts"] == {"fsdp2_bytes_match_arithmetic": True}
+    compared = [row for row in parts["memory_model"]["rows"] if "real_over_predicted" in row]
+    assert compared, "the memory model part compared no prediction with a reading"
+    summary = (tmp_path / "gpu_check.md").read_text()
+    assert "| engines | done |" in summary and "## Verdicts" in summary
+
+
+def test_a_part_that_overruns_is_killed_and_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "START_UP_S", 0.2)  # far too short for a process that imports torch
+    options = argparse.Namespace(out=tmp_path, device="cpu", quick=True)
+    result = gpu_check.run_part("probe", options, 0.0, tmp_path / "gpu_check.log")
+    assert result["error"].startswith("killed after")
+    assert json.loads((tmp_path / "probe.json").read_text())["error"].startswith("killed after")
+    assert "| probe | killed after" in gpu_check.summary({"probe": result}, {"device": "cpu"})
+
+
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(tmp_path):
+    result = run("--out", str(tmp_path), "--device", "cuda", timeout=120)
+    assert result.returncode == 2
+    assert result.stdout.strip().splitlines()[-1] == "gpu_check: no CUDA device; use --device cpu --quick for a dry run"
