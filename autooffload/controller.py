@@ -147,6 +147,9 @@ class OffloadController:
         self.last_seq_len = 0
         self.last_tokens = 0
         self.switch: CheckpointSwitch | None = None
+        self.reinstalls = 0
+        self._model: torch.nn.Module | None = None
+        self._dormant: list[tuple[torch.nn.Module, str, Any]] = []
         self._hook: Any = None
         self._micro_batches = 0
         self._offloaded_this_step = False
@@ -178,6 +181,7 @@ class OffloadController:
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn)
         self.switch.on_measured = self._on_measured
         self.kept_model.seed = self.kept_model.seed or _layer_shape(model)
+        self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
         self.probe = self._make_probe(_model_device(model))
@@ -207,6 +211,47 @@ class OffloadController:
             else:
                 self.switch.apply(0)
             self.switch = None
+        self._model = None
+
+    def _follow_installed(self) -> None:
+        """Rebuild the targets if the checkpoint functions changed hands since the last forward.
+
+        TRL's DPO, GRPO and RLOO trainers run the reference forward between ``gradient_checkpointing_disable()``
+        and ``gradient_checkpointing_enable(kwargs)`` on every step, which puts transformers' own functions
+        (with the ``offload`` key, if the kwargs have it) back on every layer; a user may also turn
+        checkpointing off or on mid-run. The check is identities only; a rebuild reads what is installed now.
+        """
+        assert self.switch is not None
+        if self.switch.targets:
+            if self.switch.intact():
+                return
+        elif all(
+            getattr(m, a, None) is f and not getattr(m, "gradient_checkpointing", False) for m, a, f in self._dormant
+        ):
+            return
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        assert self.switch is not None and self._model is not None
+        targets, unknown = find_targets(self._model)
+        for key, message in uncontrolled(self._model, unknown):
+            self.warn(key, message)
+        if not targets:
+            watched = [(t.module, t.attribute) for t in self.switch.targets] or [(m, a) for m, a, _ in self._dormant]
+            self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched]
+            self.warn(
+                "checkpointing-off",
+                "checkpointing was turned off during training, so nothing is offloaded and autooffload reports "
+                "level 0 until it is turned on again",
+            )
+        level = max(self.switch.offloaded, 0)
+        self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
+        self.switch.on_measured = self._on_measured
+        self.reinstalls += 1
+        self._apply(level)
+        logger.debug(
+            "autooffload: checkpoint functions replaced from outside; %d layer(s) now", len(self.switch.layers)
+        )
 
     def _make_probe(self, device: torch.device) -> MemoryProbe | None:
         if self.probe_choice != "auto":
@@ -244,9 +289,11 @@ class OffloadController:
         """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded."""
         if self.switch is None:
             return 0
+        self._follow_installed()
+        self.switch.engine.begin_forward()
         self._settle_budget()
         self.last_seq_len, self.last_tokens = seq_len, tokens
-        level = self._decide(seq_len, tokens)
+        level = self._decide(seq_len, tokens) if self.switch.layers else 0
         if self.settings.recompute == "auto":
             level, keep = agree_plan(self, level, self._plan_keep(seq_len, tokens, level))
         else:
@@ -379,7 +426,7 @@ class OffloadController:
 
         False when that cannot help: nothing is controlled, or mode ``off`` forbids offload.
         """
-        if self.switch is None or self.settings.mode == "off":
+        if self.switch is None or not self.switch.layers or self.settings.mode == "off":
             return False
         self.rescues += 1
         self.rescuing = True

@@ -95,3 +95,54 @@ def test_a_policy_whose_state_methods_raise_cannot_stop_a_save_or_a_resume():
     assert state["policy"] is None
     with pytest.warns(AutoOffloadWarning, match="does not fit Fragile"):
         controller.load_state_dict({**state, "policy": {"any": 1}})
+
+
+class Fixed:
+    """A policy that always asks for the same number of layers."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def decide(self, observation) -> int:
+        return self.layers
+
+
+def reenable(net, kwargs):
+    """What TRL's DPO, GRPO and RLOO trainers do around the reference forward, on every step."""
+    net.gradient_checkpointing_disable()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"offload": "auto"}, {"use_reentrant": False}])
+def test_checkpointing_re_enabled_every_step_runs_as_decided(kwargs):
+    net = checkpointed_model()
+    controller = OffloadController(Settings(), probe=None, policy=Fixed(2))
+    controller.attach(net)
+    moved, active = [], []
+    for seq in (64, 96, 80, 64):
+        step(net, controller, seq)
+        moved.append(controller.last_step_bytes)
+        active.append(controller.active)
+        reenable(net, kwargs)
+    assert moved == [expected_bytes(s, layers=2) for s in (64, 96, 80, 64)]
+    assert active == [0.5] * 4 and controller.switches == 0
+    assert controller.reinstalls == 3  # before the forwards of steps 2, 3 and 4
+
+
+def test_checkpointing_turned_off_mid_run_reports_level_0_with_one_warning_until_it_is_back():
+    net = checkpointed_model()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(net)
+    rows = []
+    with pytest.warns(AutoOffloadWarning, match="checkpointing was turned off") as caught:
+        for index, seq in enumerate((64, 96, 80, 72, 64)):
+            if index == 1:
+                net.gradient_checkpointing_disable()
+            if index == 4:
+                net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            step(net, controller, seq)
+            rows.append((controller.active, controller.last_step_bytes, controller.metrics()["autooffload/active"]))
+    assert len([w for w in caught if issubclass(w.category, AutoOffloadWarning)]) == 1
+    off = (0.0, 0, 0.0)
+    assert rows == [(1.0, expected_bytes(64), 1.0), off, off, off, (1.0, expected_bytes(64), 1.0)]
+    assert controller.layer_token_bytes == expected_bytes(1) / LAYERS

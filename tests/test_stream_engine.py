@@ -346,19 +346,23 @@ def test_size_threshold():
     assert engine.stats.total_bytes == 1024
 
 
-def test_parameters_buffers_and_leaves_that_require_grad_are_never_offloaded():
+def test_parameters_and_buffers_are_never_offloaded_and_a_leaf_input_that_requires_grad_is():
     module = torch.nn.Linear(64, 64)
     module.register_buffer("scale", torch.full((64, 64), 2.0))
     module.frozen = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
     engine, recorder = recording_engine()
     engine = StreamEngine(engine.stats, streams=recorder, pool=engine.pool, modules=[module])
-    leaf = torch.randn(64, 64, requires_grad=True)
-    run_region(engine, lambda w, f, b, x: (x @ w @ f * b).sin(), module.weight, module.frozen, module.scale, leaf)
-    assert recorder.copies("d2h") == []
-    assert module.weight.grad is not None and leaf.grad is not None
-    activation = leaf * 1
-    run_region(engine, lambda w, x: (x @ w).sin(), module.weight, activation)
+    activation = torch.randn(64, 64, requires_grad=True) * 1
+    weight_view = module.weight.t()  # a plain Tensor over a parameter's storage
+    run_region(engine, lambda w, f, b, x: (x @ w @ f * b).sin(), weight_view, module.frozen, module.scale, activation)
     assert [recorder.log[c][4] for c in recorder.copies("d2h")] == [activation.data_ptr()]
+    assert module.weight.grad is not None
+    # What enable_input_require_grads() makes of a frozen embedding's output: a leaf that requires grad,
+    # held by nothing but the autograd graph.
+    leaf = torch.randn(64, 64).requires_grad_(True)
+    run_region(engine, lambda w, x: (x @ w).sin(), module.weight, leaf)
+    assert [recorder.log[c][4] for c in recorder.copies("d2h")][1:] == [leaf.data_ptr()]
+    assert leaf.grad is not None
 
 
 def test_a_storage_shared_by_several_saves_is_offloaded_once_and_comes_back_shared():
@@ -419,3 +423,43 @@ def test_pool_counts_what_pinning_takes_against_the_host():
     assert pool.take(4096, torch.device("cpu")) is not None  # 4000 bytes (10%) must stay free
     with pytest.warns(AutoOffloadWarning, match="host memory is short"):
         assert pool.take(5000, torch.device("cpu")) is None  # 5000 would fit; the 8192 pinning takes would not
+
+
+class Fixed:
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def decide(self, observation) -> int:
+        return self.layers
+
+
+def two_forwards_then_two_backwards(net: torch.nn.Module, mark=lambda what: None) -> list[torch.Tensor]:
+    """Accumulation by hand, chosen and rejected as two calls: both forwards before either backward."""
+    mark("forward A")
+    a = net(input_ids=batch(0), labels=batch(0)).loss
+    mark("forward B")
+    b = net(input_ids=batch(1), labels=batch(1)).loss
+    mark("backward B")
+    b.backward()
+    mark("backward A")
+    a.backward()
+    mark("end")
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_each_forward_is_its_own_prefetch_chain():
+    reference = two_forwards_then_two_backwards(enable_checkpointing(model()))
+    net = enable_checkpointing(model())
+    controller = OffloadController(Settings(engine="stream"), probe=None, policy=Fixed(2))
+    controller.attach(net)
+    engine, recorder = recording_engine()
+    controller.switch.engine.streams, controller.switch.engine.pool = recorder, engine.pool
+    grads = two_forwards_then_two_backwards(net, recorder.mark)
+    assert all(torch.equal(g, e) for g, e in zip(grads, reference, strict=True))
+    at = {entry[0]: i for i, entry in enumerate(recorder.log) if len(entry) == 1}
+    held_by_a = {recorder.log[c][3] for c in recorder.copies("d2h") if at["forward A"] < c < at["forward B"]}
+    fetched = [(c, recorder.log[c][4]) for c in recorder.copies("h2d")]
+    assert len(held_by_a) == 2  # layers 0 and 1 of 4 offload
+    assert [c for c, source in fetched if source in held_by_a and c < at["backward A"]] == []
+    assert {source for c, source in fetched if c > at["backward A"]} == held_by_a
+    assert controller.stats.total_bytes == 2 * 2 * layer_bytes()

@@ -86,3 +86,6 @@ class SyncEngine:
 
     def hooks(self, last: bool, layer_input: torch.Tensor | None = None) -> HostOffloadHooks:
         return HostOffloadHooks(self.stats, layer_input)
+
+    def begin_forward(self) -> None:
+        """Nothing links one layer call to another here."""

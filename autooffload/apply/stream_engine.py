@@ -4,7 +4,10 @@
 checkpointed layer is a *region*: the pack hook starts the device-to-host copy of the layer's saved input
 on a copy stream and returns at once; in the backward, when layer i's recompute unpacks its input, the
 host-to-device copy of layer i-1's input starts on the copy stream, so that it has arrived when needed.
-The compute stream waits on events; the host never waits on the device.
+The compute stream waits on events; the host never waits on the device. The regions of one top-level
+forward form one chain (the controller calls :meth:`StreamEngine.begin_forward` before each): with two
+forwards before one backward, the second one's first layer must not prefetch the first one's last input,
+which would then sit on the device through the rest of the backward.
 
 A race here corrupts gradients silently, so each one is named with the rule that prevents it:
 
@@ -35,13 +38,14 @@ What moves is the layer input's storage (the switch names it: the call's first p
 saved inputs such as a causal mask stay), once per region even if several saves share it (views come back as
 views of one restored storage). Left on the device: the input of the last checkpointed layer (its backward
 starts right after the forward, so a copy would come straight back), storages below ``min_bytes`` (a small
-view of a large storage moves with it: kept, it would keep the whole storage on the device),
-parameters, registered buffers and other leaves that require grad (something else holds them, offloading
-would free nothing), tensor subclasses and non-strided tensors. :class:`~autooffload.apply.offload.OffloadStats`
-counts the bytes actually copied to the host: with every layer offloading, that is one layer's input less
-than the ``sync`` engine counts. When only the first k layers offload, layer k-1's input is copied but held
-on the device until the backward begins (no later layer call lets go of it). Either way, at the end of the
-forward the stream engine holds one layer input more on the device than ``sync``.
+view of a large storage moves with it: kept, it would keep the whole storage on the device), parameters
+and registered buffers of the controlled modules, recognised by their storage (the model holds them,
+offloading would free nothing), tensor subclasses and non-strided tensors.
+:class:`~autooffload.apply.offload.OffloadStats` counts the bytes actually copied to the host: with every
+layer offloading, that is one layer's input less than the ``sync`` engine counts. When only the first k
+layers offload, layer k-1's input is copied but held on the device until the backward or the next forward
+begins (no later layer call lets go of it). Either way, at the end of the forward the stream engine holds
+one layer input more on the device than ``sync``.
 
 Host memory is a third budget (:class:`HostPool`): pinned buffers are reused across steps, new ones are
 taken only while the host keeps ``min_free`` of its memory free; if pinning fails the engine continues with
@@ -51,6 +55,7 @@ pageable memory, and if the host is short the tensor stays on the device, each w
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -317,7 +322,7 @@ class StreamEngine:
     """Saved-tensor hooks per checkpointed layer that overlap offload copies with compute (module docs).
 
     ``streams`` and ``pool`` are the device and host sides (replaceable in tests); ``modules``: whose
-    registered buffers are never offloaded (parameters never are, whatever their module).
+    parameters and registered buffers are never offloaded (nor any other parameter, by its type).
     """
 
     def __init__(
@@ -333,8 +338,10 @@ class StreamEngine:
         self.streams = streams if streams is not None else Streams()
         self.pool = pool if pool is not None else HostPool()
         self.min_bytes = min_bytes
-        self.buffers = {
-            (buffer.device, buffer.untyped_storage().data_ptr()) for module in modules for buffer in module.buffers()
+        self.held = {
+            (tensor.device, tensor.untyped_storage().data_ptr())
+            for module in modules
+            for tensor in itertools.chain(module.parameters(), module.buffers())
         }
         self._last: weakref.ref | None = None
         self._unpacking: weakref.ref | None = None
@@ -345,6 +352,13 @@ class StreamEngine:
         """Hooks for one call of a checkpointed layer; ``last``: the layer whose input stays on the device;
         ``layer_input``: the only tensor whose storage may move (any offloadable one when None)."""
         return _RegionHooks(self, last, layer_input)
+
+    def begin_forward(self) -> None:
+        """A top-level forward begins: its first layer call starts a new chain, so that the backward of this
+        forward never prefetches an input of an earlier one (two forwards before one backward), and the
+        input the previous forward still held is let go of once its copy is done."""
+        self._retire(before=self._serial + 1)
+        self._last = None
 
     def _open_region(self) -> _Region:
         previous = self._last() if self._last is not None else None
@@ -367,15 +381,19 @@ class StreamEngine:
         self._in_flight = keep
 
     def offloadable(self, tensor: torch.Tensor) -> bool:
-        """Worth moving: a plain dense tensor that only the autograd graph will hold, and not a tiny one."""
+        """Worth moving: a plain dense tensor, not a tiny one, and not (a view of) a parameter or buffer.
+
+        Parameters and buffers are recognised by their storage, not by ``is_leaf and requires_grad``: with
+        frozen embeddings (LoRA) transformers makes the first layer's input a leaf that requires grad, and
+        only the autograd graph holds it.
+        """
         return (
             type(tensor) is torch.Tensor
             and tensor.layout == torch.strided
-            and not (tensor.is_leaf and tensor.requires_grad)
             and not tensor.is_conj()
             and not tensor.is_neg()
             and tensor.untyped_storage().nbytes() >= self.min_bytes
-            and (tensor.device, tensor.untyped_storage().data_ptr()) not in self.buffers
+            and (tensor.device, tensor.untyped_storage().data_ptr()) not in self.held
         )
 
     def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:

@@ -235,6 +235,9 @@ class OffloadEngine(Protocol):
         self, last: bool, layer_input: torch.Tensor | None = None
     ) -> torch.autograd.graph.saved_tensors_hooks: ...
 
+    def begin_forward(self) -> None:
+        """A top-level training forward begins: its layer calls form one chain, apart from earlier forwards'."""
+
 
 def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
     if name == "sync":
@@ -397,6 +400,7 @@ class CheckpointSwitch:
             else:
                 self._install(slot.target, function)
         self.offloaded, self.kept, self.measuring = k, keep, measure
+        self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
 
     def _measured(self, nbytes: int) -> None:
         if self.on_measured is not None:
@@ -418,6 +422,19 @@ class CheckpointSwitch:
 
     def _install(self, target: CheckpointTarget, function: Callable[..., Any]) -> None:
         setattr(target.module, target.attribute, function)
+
+    def intact(self) -> bool:
+        """True while every target still runs the function this switch installed last, with checkpointing on.
+
+        Identity checks only, no allocation: it runs before every training forward, to notice a trainer that
+        disabled and re-enabled checkpointing (TRL's reference forward), which installs new functions.
+        """
+        for module, attribute, function in self._installed:
+            if getattr(module, attribute, None) is not function:
+                return False
+            if getattr(module, "gradient_checkpointing", True) is False:
+                return False
+        return True
 
     def restore(self) -> None:
         """Put back the functions found at construction."""

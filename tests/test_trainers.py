@@ -1,0 +1,167 @@
+"""TRL's trainers and PEFT's LoRA through the real code, on a tiny random Qwen3 and a tokenizer built here
+(nothing is downloaded): the bytes each step moves equal the arithmetic for the micro-batch that ran."""
+
+from __future__ import annotations
+
+import datasets
+import peft
+import pytest
+import torch
+import trl
+from conftest import NEW_NAMES, InOrderTrainer, dataset, expected_bytes, model, training_args
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+from autooffload import AutoOffloadCallback
+
+PREFIX = "activation" if NEW_NAMES else "gradient"
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """One token per word, ``w2`` ... ``w255``, with pad and end-of-sequence tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(2, 256)]
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w2"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
+
+
+def words(count: int, seed: int) -> str:
+    return " ".join(f"w{(seed * 7 + i * 3) % 254 + 2}" for i in range(count))
+
+
+class Fixed:
+    """A policy that always asks for the same number of layers."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def decide(self, observation) -> int:
+        return self.layers
+
+
+class Steps(TrainerCallback):
+    """Per optimizer step: the tokens of the training forwards (read from the model's own inputs, not from
+    autooffload), the controller's active fraction and the bytes it moved."""
+
+    def __init__(self, callback: AutoOffloadCallback, net: torch.nn.Module) -> None:
+        self.controller = callback.controller
+        self.rows: list[tuple[int, float, int]] = []
+        self._tokens = 0
+        net.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._tokens += kwargs.get("input_ids", args[0] if args else None).numel()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows.append((self._tokens, self.controller.active, self.controller.last_step_bytes))
+        self._tokens = 0
+
+
+def config(kind, tmp_path, steps: int, kwargs: dict, **extra):
+    arguments = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=1,
+        max_steps=steps,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        **{f"{PREFIX}_checkpointing": True, f"{PREFIX}_checkpointing_kwargs": kwargs},
+    )
+    return kind(**{**arguments, **extra})
+
+
+# ---- DPO: the reference forward disables and re-enables checkpointing on every step ---------------------
+
+
+def test_dpo_runs_as_decided_on_every_step(tmp_path):
+    # DPOTrainer (TRL >= 0.20) runs the reference forward between gradient_checkpointing_disable() and
+    # gradient_checkpointing_enable(args.gradient_checkpointing_kwargs): transformers' own functions, the
+    # ``offload`` key included, are back on every layer at each step's end.
+    pairs = datasets.Dataset.from_dict(
+        {
+            "prompt": [words(8, i) for i in range(3)],
+            "chosen": [words(5, 10 + i) for i in range(3)],
+            "rejected": [words(7, 20 + i) for i in range(3)],
+        }
+    )
+    net = model()
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(2))
+    steps = Steps(callback, net)
+    trainer = trl.DPOTrainer(
+        model=net,
+        ref_model=model(),
+        args=config(trl.DPOConfig, tmp_path, 3, {"offload": "auto"}),
+        train_dataset=pairs,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )
+    trainer.train()
+    assert callback.controller.settings.mode == "auto"
+    assert all(tokens >= 2 * (8 + 7) for tokens, *_ in steps.rows)  # chosen and rejected: one batch of two
+    assert [(active, moved) for _, active, moved in steps.rows] == [
+        (0.5, expected_bytes(tokens, layers=2)) for tokens, *_ in steps.rows
+    ]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["autooffload/offloaded_bytes"] for h in logs] == [moved for *_, moved in steps.rows]
+    assert [h["autooffload/active"] for h in logs] == [0.5] * 3
+
+
+# ---- SFT: packed and padding-free batches are one long row ------------------------------------------
+
+
+TEXT_WORDS = (12, 30, 9, 21, 17, 26)
+
+
+def sft_steps(tmp_path, **extra):
+    texts = datasets.Dataset.from_dict({"text": [words(n, i) for i, n in enumerate(TEXT_WORDS)]})
+    net = model()
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    steps = Steps(callback, net)
+    trainer = trl.SFTTrainer(
+        model=net,
+        args=config(trl.SFTConfig, tmp_path, 2, {"use_reentrant": False}, **extra),
+        train_dataset=texts,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )
+    trainer.train()
+    return steps.rows
+
+
+def test_sft_with_packing_moves_the_packed_length(tmp_path):
+    rows = sft_steps(tmp_path, packing=True, max_length=48)
+    assert all(tokens > max(TEXT_WORDS) + 1 for tokens, *_ in rows)  # longer than any one text: packed
+    assert [(active, moved) for _, active, moved in rows] == [(1.0, expected_bytes(tokens)) for tokens, *_ in rows]
+
+
+def test_sft_padding_free_moves_the_concatenated_length(tmp_path):
+    rows = sft_steps(tmp_path, padding_free=True, per_device_train_batch_size=2, max_length=None)
+    lengths = [n + 1 for n in TEXT_WORDS]  # each text and its end-of-sequence token, no padding
+    sums = {a + b for i, a in enumerate(lengths) for b in lengths[i + 1 :]}
+    assert all(tokens in sums for tokens, *_ in rows)
+    assert [(active, moved) for _, active, moved in rows] == [(1.0, expected_bytes(tokens)) for tokens, *_ in rows]
+
+
+# ---- LoRA: frozen embeddings make the first layer's input a leaf that requires grad ------------------
+
+
+@pytest.mark.parametrize("engine", ["sync", "stream"])
+def test_lora_first_layer_input_is_offloaded_by_both_engines(tmp_path, engine):
+    net = peft.get_peft_model(model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    # Trainer's checkpointing does this itself from transformers 5; before, PEFT's docs ask the user to.
+    net.enable_input_require_grads()
+    first_inputs = []
+    layers = net.base_model.model.model.layers
+    layers[0].register_forward_pre_hook(lambda module, args: first_inputs.append(args[0]))
+    callback = AutoOffloadCallback(engine=engine, probe=None, policy=Fixed(1))
+    recorder = Steps(callback, net)
+    args = training_args(tmp_path, 3, offload="auto")
+    InOrderTrainer(model=net, args=args, train_dataset=dataset([64, 96, 80]), callbacks=[callback, recorder]).train()
+    assert all(x.is_leaf and x.requires_grad for x in first_inputs)  # what enable_input_require_grads() makes
+    assert [moved for *_, moved in recorder.rows] == [expected_bytes(s, layers=1) for s in (64, 96, 80)]
