@@ -402,3 +402,18 @@ def test_a_container_models_kept_calls_run_the_layer_directly():
     assert stats.step_bytes == layer_bytes(40)
     for parameter, other in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(parameter.grad, other.grad)
+
+
+def test_keep_survives_a_trainer_that_disables_and_reenables_checkpointing():
+    net = checkpointed(qwen3(dropout=0.0))
+    controller = OffloadController(Settings(recompute="auto"), probe=Ample())
+    controller.attach(net)
+    train_loop(net, controller, [64, 64])
+    samples = dict(controller.kept_model.samples)
+    net.gradient_checkpointing_disable()  # what TRL's reference forward does on every step
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, kept = train_loop(net, controller, [64])
+    assert kept == [1.0] and controller.reinstalls == 1
+    assert controller.kept_model.samples == samples  # nothing measured again
+    functions = {layer._gradient_checkpointing_func.__name__ for layer in net.model.layers}
+    assert functions == {"checkpoint_keep"}
