@@ -120,13 +120,25 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         compiled = bool(getattr(args, "torch_compile", False)) or None
         if trainer is not None and compiled is None:
             compiled = is_compiled(trainer.model_wrapped) or None
+        optimizer = kwargs.get("optimizer") or getattr(trainer, "optimizer", None)
         if model is not None:
-            self.controller.attach(model, compiled=compiled)
+            self.controller.attach(model, compiled=compiled, optimizer=optimizer)
         self._warn_deepspeed(trainer)
         self._wrap_log(trainer)
 
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.controller.optimizer is None and optimizer is not None:
+            self.controller.optimizer = optimizer
+        self.controller.begin_step()
+
     def on_step_end(self, args, state, control, **kwargs):
         self.controller.end_step()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.controller.note_side_work()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.controller.note_side_work()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         # Only where no Trainer was found to wrap: reporting callbacks before this one miss the keys.

@@ -2,11 +2,12 @@
 
 ``attach(model)`` installs autooffload's checkpoint functions on the checkpointed modules and a forward
 pre-hook that reads every micro-batch's token count and decides, before that micro-batch's forward, how
-many layers offload. ``end_step()`` closes an optimizer step: it reads the memory probe and the bytes
+many layers offload. ``begin_step()`` starts an optimizer step's peak (the pre-hook calls it at a step's
+first micro-batch if nothing did); ``end_step()`` closes the step: it reads the memory probe and the bytes
 moved. The Trainer callback is a thin layer over these calls; a custom loop makes them itself::
 
     controller = OffloadController()
-    controller.attach(model)
+    controller.attach(model, optimizer=optimizer)  # the optimizer: its state, not yet allocated, is foreseen
     for batch in loader:
         loss = model(**batch).loss
         loss.backward()
@@ -33,6 +34,7 @@ from .apply.paths import uncontrolled
 from .apply.switch import CheckpointSwitch, find_targets
 from .decide import ladder
 from .decide.activations import KeptLayerModel, LayerShape
+from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
 from .distributed import RankPeak, agree, agree_plan, worst_rank
@@ -99,6 +101,54 @@ def _layer_shape(model: torch.nn.Module) -> LayerShape | None:
     return None
 
 
+def _token_terms(model: torch.nn.Module) -> tuple[float | None, float | None]:
+    """(logits, one layer's recompute working set) in bytes per token, from the config; None where unknown."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), None)
+    vocab, hidden = getattr(config, "vocab_size", None), getattr(config, "hidden_size", None)
+    intermediate = getattr(config, "intermediate_size", None)
+    if not dtype_bytes:
+        return None, None
+    logits = logits_bytes_per_token(vocab, dtype_bytes) if isinstance(vocab, int) else None
+    if not isinstance(hidden, int):
+        return logits, None
+    intermediate = intermediate if isinstance(intermediate, int) else 4 * hidden
+    return logits, layer_work_bytes_per_token(hidden, intermediate, dtype_bytes)
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and alike)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_state_bytes(optimizer: Any) -> tuple[int, int | None]:
+    """(bytes the optimizer's state holds now, bytes it holds once every trainable parameter has its state).
+
+    The second is None when the optimizer's kind is unknown. torch's Adam and SGD allocate their state lazily,
+    at the first ``step()``, so before it the first number is 0 and the difference is still to come.
+    """
+    inner = _unwrap_optimizer(optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return 0, None
+    groups = inner.param_groups
+    factor = optimizer_state_factor(type(inner).__name__, groups[0].get("momentum") if groups else None)
+    held = sum(
+        t.numel() * t.element_size()
+        for state in inner.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    if factor is None:
+        return held, None
+    trainable = sum(p.numel() * p.element_size() for g in groups for p in g["params"] if p.requires_grad)
+    if any(g.get("amsgrad") for g in groups):
+        factor += 1.0
+    return held, round(factor * trainable)
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
@@ -137,6 +187,15 @@ class OffloadController:
         self.memory_bytes: int | None = None
         self.total_bytes: int | None = None
         self.layer_token_bytes: float | None = None
+        self.logits_token_bytes: float | None = None
+        self.work_token_bytes: float | None = None
+        self.optimizer: Any = None
+        self.pending_bytes = 0
+        self.last_step_clean = True
+        self._side_work = False
+        self._step_begun = False
+        self._state_at_start = 0
+        self._tried_bytes: int | None = None
         self.rescues = 0
         self.rescuing = False
         self.last_step_rescued = False
@@ -169,8 +228,12 @@ class OffloadController:
 
     # ---- apply ---------------------------------------------------------------------------------------
 
-    def attach(self, model: torch.nn.Module, *, compiled: bool | None = None) -> bool:
-        """Install the checkpoint functions and the pre-forward hook. False (with a warning) if nothing to do."""
+    def attach(self, model: torch.nn.Module, *, compiled: bool | None = None, optimizer: Any = None) -> bool:
+        """Install the checkpoint functions and the pre-forward hook. False (with a warning) if nothing to do.
+
+        ``optimizer``: the run's optimizer, so that state it has not allocated yet (Adam's, before the first
+        ``step()``) is foreseen in the first steps; without it that state is unknown until a reading holds it.
+        """
         self.detach()
         targets, unknown = find_targets(model)
         for key, message in uncontrolled(model, unknown):
@@ -184,6 +247,8 @@ class OffloadController:
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
+        self.logits_token_bytes, self.work_token_bytes = _token_terms(model)
+        self.optimizer = optimizer if optimizer is not None else self.optimizer
         self.probe = self._make_probe(_model_device(model))
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
@@ -283,6 +348,8 @@ class OffloadController:
                 "trigger is off for such calls and only the memory reading decides",
             )
             shape = (0, 0)
+        if not self._step_begun:
+            self.begin_step()
         self.before_forward(*shape)
 
     def before_forward(self, seq_len: int, tokens: int) -> int:
@@ -347,6 +414,10 @@ class OffloadController:
             bytes_per_layer=round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None,
             levels=compile_levels(layers, self.settings.compile_max_switches) if self.compiled else None,
             last_step_rescued=self.last_step_rescued,
+            logits_bytes_per_token=self.logits_token_bytes,
+            layer_work_bytes_per_token=self.work_token_bytes,
+            pending_bytes=self.pending_bytes,
+            last_step_clean=self.last_step_clean,
         )
         try:
             return max(0, min(int(self.policy.decide(observation)), layers))
@@ -421,15 +492,19 @@ class OffloadController:
             "(the memory-safe state) for the rest of the run",
         )
 
-    def rescue(self) -> bool:
+    def rescue(self, tried_bytes: int | None = None) -> bool:
         """Offload every layer until this step ends, for a rerun after an out-of-memory error.
 
-        False when that cannot help: nothing is controlled, or mode ``off`` forbids offload.
+        ``tried_bytes``: the allocation that failed, where the error says ("Tried to allocate X"). The step's
+        reading is then raised to at least the reading plus it, and at least the device's size: a policy
+        learns that the step needed more than it had, and plans more offload for that length next time.
+        False when a rerun cannot help: nothing is controlled, or mode ``off`` forbids offload.
         """
         if self.switch is None or not self.switch.layers or self.settings.mode == "off":
             return False
         self.rescues += 1
         self.rescuing = True
+        self._tried_bytes = max(self._tried_bytes or 0, tried_bytes or 0)
         logger.warning(
             "autooffload: step %d ran out of device memory; rerunning it with all %d layer(s) offloaded",
             self.step,
@@ -437,7 +512,26 @@ class OffloadController:
         )
         return True
 
-    # ---- close a step --------------------------------------------------------------------------------
+    # ---- open and close a step -----------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Start an optimizer step: its peak starts here (the probe's ``reset()``, where it has one), so
+        evaluation and checkpoint saving between two steps stay out of the next reading. Trainer's callback
+        calls it at ``on_step_begin``; otherwise the pre-forward hook does at a step's first micro-batch."""
+        self._step_begun = True
+        self._state_at_start = optimizer_state_bytes(self.optimizer)[0] if self.optimizer is not None else 0
+        reset = getattr(self.probe, "reset", None)
+        if reset is None:
+            return
+        try:
+            reset()
+        except Exception as error:  # a probe's failure must not end the run; the reading still works
+            self.warn("probe-reset", f"memory probe reset failed ({error!r}); a step's peak may include earlier work")
+
+    def note_side_work(self) -> None:
+        """Evaluation or a checkpoint save ran since the last reading: the next reading is not a sample of
+        training (the callback calls it from ``on_evaluate`` and ``on_save``)."""
+        self._side_work = True
 
     def end_step(self) -> None:
         """Close an optimizer step: bytes moved, memory reading, dwell counter."""
@@ -458,7 +552,21 @@ class OffloadController:
             self.longest_read_tokens = max(self.longest_read_tokens, self._step_tokens)
         self._step_tokens = 0
         self._step_kept = []
+        if self.last_step_rescued and self.memory_bytes is not None and self.total_bytes:
+            # The reading misses the allocation that failed: what the step needed is at least the device.
+            self.memory_bytes = max(self.memory_bytes + (self._tried_bytes or 0), self.total_bytes)
+        self._tried_bytes = None
+        self.last_step_clean, self._side_work = not self._side_work, False
+        self.pending_bytes = self._pending_optimizer_bytes()
+        self._step_begun = False
         self.step += 1
+
+    def _pending_optimizer_bytes(self) -> int:
+        """Optimizer state that did not exist when the step just read began, so its reading lacks it."""
+        if self.optimizer is None:
+            return 0
+        expected = optimizer_state_bytes(self.optimizer)[1]
+        return max(0, expected - self._state_at_start) if expected is not None else 0
 
     def _read_memory(self) -> float | None:
         self.memory_bytes = None

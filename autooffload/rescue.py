@@ -41,6 +41,7 @@ Two ways in:
 from __future__ import annotations
 
 import gc
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,6 +63,16 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
+
+
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)")
+_UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def tried_bytes(error: BaseException) -> int | None:
+    """The size of the allocation that failed, from the message ("Tried to allocate 2.00 GiB"); None if absent."""
+    match = _TRIED.search(str(error))
+    return round(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
 
 
 def _distributed() -> bool:
@@ -106,7 +117,7 @@ class Rescue:
         if _distributed():
             _note(error, "autooffload: no rescue with more than one process (the other ranks wait in a collective)")
             raise error
-        if not controller.rescue():
+        if not controller.rescue(tried_bytes(error)):
             raise error
         origin = "".join(traceback.format_tb(error.__traceback__))
         error.__traceback__ = None

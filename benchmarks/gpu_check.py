@@ -161,8 +161,8 @@ def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, An
     model = engine_check.qwen3(*shape, torch.bfloat16, torch.device(device))
     probe = "auto" if cuda else SyntheticProbe()
     controller = OffloadController(Settings(policy="predictive"), probe=probe)
-    controller.attach(model, compiled=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    controller.attach(model, compiled=False, optimizer=optimizer)
     rows = []
     started = time.perf_counter()
     for step, seq in enumerate(lengths):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import LAYERS, expected_bytes, model
 
-from autooffload import AutoOffloadWarning, OffloadController, Settings
+from autooffload import AutoOffloadWarning, OffloadController, Rescue, Settings
 
 
 def checkpointed_model():
@@ -146,3 +146,96 @@ def test_checkpointing_turned_off_mid_run_reports_level_0_with_one_warning_until
     off = (0.0, 0, 0.0)
     assert rows == [(1.0, expected_bytes(64), 1.0), off, off, off, (1.0, expected_bytes(64), 1.0)]
     assert controller.layer_token_bytes == expected_bytes(1) / LAYERS
+
+
+class Recording:
+    """A policy that records the observations it is given and decides as the predictive policy does."""
+
+    def __init__(self, policy=None):
+        from autooffload import PredictivePolicy
+
+        self.policy = policy or PredictivePolicy()
+        self.observations = []
+
+    def decide(self, observation):
+        self.observations.append(observation)
+        return self.policy.decide(observation)
+
+
+def test_the_observation_carries_the_model_terms_and_the_optimizer_state_still_to_come():
+    net = checkpointed_model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    recording = Recording()
+    controller = OffloadController(Settings(), probe=None, policy=recording)
+    controller.attach(net, optimizer=optimizer)
+    for seq in (64, 64, 64):
+        ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+        net(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_step()
+    first, second, third = recording.observations
+    params = sum(p.numel() * 4 for p in net.parameters())
+    # AdamW allocates its two moments at the first step(): step 0's reading lacks them, step 1's holds them.
+    assert [o.pending_bytes for o in (first, second, third)] == [0, 2 * params, 0]
+    # fp32 logits and their gradient, vocab 256; one layer's working set, hidden 64, intermediate 128.
+    assert first.logits_bytes_per_token == 256 * 8
+    assert first.layer_work_bytes_per_token == (4 * 64 + 3 * 128) * 4
+
+
+class Device:
+    """A simulated device for a tiny model: a micro-batch of t tokens with k of its 4 layers offloaded needs
+    300,000 + t x 3584 - k x t x 256 bytes, and allocations fail once 750,000 bytes are in use (fragmentation),
+    well below the 1,000,000 the device has. The failed attempt's reading stops below the failure, as
+    ``max_memory_allocated`` does: it never holds the allocation that failed."""
+
+    TOTAL, FAILS_AT, TRIED = 1_000_000, 750_000, 50_000
+
+    def __init__(self, controller):
+        self.controller = controller
+        self.peak = 0
+        self.failures = []
+
+    def need(self):
+        c = self.controller
+        return 300_000 + c.last_tokens * 3584 - c.level * c.last_tokens * 256
+
+    def forward_hook(self, module, args):
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        need = self.need()
+        if need > self.FAILS_AT:
+            self.peak = max(self.peak, self.FAILS_AT - 10_000)
+            self.failures.append((self.controller.step, self.controller.level))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.83 KiB. GPU 0 has ...")
+        self.peak = max(self.peak, need)
+
+    def reset(self):
+        self.peak = 0
+
+    def read(self):
+        from autooffload import MemoryReading
+
+        reading, self.peak = MemoryReading(self.peak, self.TOTAL), 0
+        return reading
+
+
+def test_a_rescued_length_is_planned_with_more_offload_than_the_one_that_failed():
+    net = checkpointed_model()
+    controller = OffloadController(Settings(), probe=None)
+    device = Device(controller)
+    controller.probe_choice = device
+    controller.attach(net)
+    net.model.norm.register_forward_pre_hook(device.forward_hook)
+    rescue = Rescue(controller, net)
+    levels = []
+    for seq in (100, 100, 130, 130, 130):
+        ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+        rescue.run(lambda ids=ids: net(input_ids=ids, labels=ids).loss.backward())
+        levels.append(controller.level)
+        controller.end_step()
+    # Step 2 planned nothing (765,920 bytes predicted fit under 90%) and failed; the rerun offloaded every layer.
+    # The reading (740,000) says less than the prediction, but the failure says the step needed the device:
+    # the next steps of that length offload more than the attempt that failed, and do not fail again.
+    assert device.failures == [(2, 0)] and controller.rescues == 1
+    assert levels[3] > 0 and levels[4] > 0

@@ -41,3 +41,26 @@ def test_state_round_trip():
     clone.load_state_dict(policy.state_dict())
     assert clone.decide(Observation(3, 1, 1, 0.1, 8)) == 8
     assert clone.decide(Observation(5, 1, 1, 0.1, 8)) == 0
+
+
+def test_a_constant_load_does_not_flap_with_its_own_offload():
+    # Every step needs 95% of the device without offload and 70% with every layer offloaded. Compared with the
+    # reading after offload (70% < memory_low), the policy would switch off after its dwell, then on again.
+    total, layers = 80 * 2**30, 8
+    per_layer = round(0.25 * total / layers)
+    policy = HysteresisPolicy(memory_high=0.9, memory_low=0.8, seq_high=10**6, seq_low=10**5, min_steps=2)
+    levels, reading = [], None
+    for step in range(10):
+        observation = Observation(
+            step,
+            2048,
+            2048,
+            None if reading is None else reading / total,
+            layers,
+            memory_bytes=reading,
+            total_bytes=total,
+            bytes_per_layer=per_layer,
+        )
+        levels.append(policy.decide(observation))
+        reading = round(0.95 * total) - levels[-1] * per_layer
+    assert levels == [0] + [layers] * 9

@@ -4,10 +4,12 @@ A made-up device: 2,000,000 bytes, a step needs 1,000,000 + 850 bytes per token 
 of 100 bytes per token each, plus 50 per token of working set), and offloading a layer frees 100 per token.
 """
 
+import dataclasses
 import math
 
 import pytest
 
+from autooffload.decide.peak import layer_work_bytes_per_token, logits_bytes_per_token
 from autooffload.decide.policy import Observation
 from autooffload.decide.predictive import PredictivePolicy, compile_levels, make_policy
 from autooffload.settings import Settings
@@ -44,7 +46,7 @@ def run(policy, lengths, start=0, reading=None):
     return levels, reading
 
 
-def trained(lengths=(100, 200, 300)):
+def trained(lengths=(100, 200, 1300, 300)):
     policy = PredictivePolicy(memory_high=0.9, seq_high=10**6, seq_low=10**5)
     _, reading = run(policy, lengths)
     return policy, len(lengths), reading
@@ -67,18 +69,13 @@ def test_short_micro_batches_offload_nothing_and_the_sample_after_an_offload_kee
     assert policy.slope(LAYERS * PER_TOKEN) == pytest.approx(SLOPE)
 
 
-def test_never_the_last_layer():
+def test_an_excess_beyond_every_layer_but_one_offloads_every_layer():
     policy, step, reading = trained()
-    assert policy.decide(observe(step, 50_000, reading)) == LAYERS - 1
-
-
-def test_one_sample_is_seeded_from_the_arithmetic_of_the_checkpointed_inputs():
-    policy = PredictivePolicy(memory_high=0.9)
-    policy.decide(observe(0, 100, None))
-    policy.decide(observe(1, 100, peak(100, 0)))
-    # Slope = layers x bytes per layer input per token = 800 until two lengths are seen.
-    assert not policy.fitted
-    assert policy.predict(1000, PER_TOKEN * 1000) == pytest.approx(peak(100, 0) + 800 * 900)
+    # 5000 tokens, beyond the longest seen (1300): 2,105,000 + 1.1 x 850 x 3700 = 5,564,500 predicted, an
+    # excess of 3,764,500 over 1,800,000. Seven layers of 500,000 do not cover it, eight do: all eight.
+    assert policy.decide(observe(step, 5000, reading)) == LAYERS
+    assert policy.predict(5000) == pytest.approx(5_564_500)
+    assert policy.decide(observe(step, 50_000, reading)) == LAYERS
 
 
 def test_without_a_reading_it_is_the_hysteresis_policy():
@@ -146,3 +143,78 @@ def test_make_policy_follows_the_setting():
     assert type(make_policy(Settings())).__name__ == "PredictivePolicy"
     assert type(make_policy(Settings(policy="hysteresis"))).__name__ == "HysteresisPolicy"
     assert math.isclose(make_policy(Settings(memory_high=0.7, memory_low=0.5)).memory_high, 0.7)
+
+
+GIB = 2**30
+
+
+def qwen3_8b(step, tokens, reading, total=80 * GIB, seeds=True, **extra):
+    """An observation for a Qwen3-8B shape in bf16: 36 layers, hidden 4096, vocab 151936."""
+    if seeds:
+        extra.update(
+            logits_bytes_per_token=logits_bytes_per_token(151936, 2),
+            layer_work_bytes_per_token=layer_work_bytes_per_token(4096, 12288, 2),
+        )
+    return Observation(
+        step,
+        tokens,
+        tokens,
+        None if reading is None else reading / total,
+        36,
+        memory_bytes=None if reading is None else int(reading),
+        total_bytes=None if reading is None else total,
+        bytes_per_layer=tokens * 4096 * 2,
+        **extra,
+    )
+
+
+def test_fixed_length_batches_are_planned_from_their_own_sample():
+    # Packing to 32,768 tokens, half of an 80 GiB device used: nothing needs to offload once a reading exists.
+    policy = PredictivePolicy()
+    levels, reading = [], None
+    for step in range(6):
+        level = policy.decide(qwen3_8b(step, 32768, reading, seeds=False))
+        levels.append(level)
+        reading = 40 * GIB - level * 32768 * 4096 * 2
+    assert levels == [36, 0, 0, 0, 0, 0]
+    assert not policy.fitted and policy.plan(qwen3_8b(6, 32768, reading, seeds=False)) == 0
+
+
+def test_a_length_beyond_those_seen_is_predicted_with_the_logits_and_a_margin():
+    # Clustered lengths with 3% noise: the least-squares slope says little. The step really needs
+    # 20 GiB + tokens x (36 layer inputs + the logits), 2.1 MB per token, at twice the longest length seen.
+    per_token = 36 * 4096 * 2 + logits_bytes_per_token(151936, 2)
+    lengths, noises = [4000, 4096, 4032, 4064], [0.03, 0.0, 0.02, 0.0]
+    policy = PredictivePolicy(seq_high=10**6, seq_low=10**5)
+    reading = None
+    for step, (tokens, noise) in enumerate(zip(lengths, noises, strict=True)):
+        policy.decide(qwen3_8b(step, tokens, reading))
+        reading = 20 * GIB + tokens * per_token * (1 + noise)
+    policy.decide(qwen3_8b(len(lengths), 4096, reading))
+    need = 20 * GIB + 8192 * per_token
+    predicted = policy.predict(8192, 8192 * 4096 * 2, qwen3_8b(len(lengths), 8192, reading))
+    assert need < predicted < need * 1.1
+    assert policy.predict(8192, 8192 * 4096 * 2) == predicted  # the terms of the last observation seen
+
+
+def test_the_optimizer_state_still_to_come_counts_from_the_first_steps():
+    # Adam's state (16 GiB) is allocated at the first optimizer.step(): step 0's reading (60 GiB) lacks it,
+    # so step 1 needs 76 GiB at the same length: over the 72 GiB limit, it must offload.
+    policy = PredictivePolicy()
+    per_layer = 16384 * 4096 * 2
+    assert policy.decide(qwen3_8b(0, 16384, None)) == 0
+    level = policy.decide(qwen3_8b(1, 16384, 60 * GIB, pending_bytes=16 * GIB))
+    assert level == math.ceil(4 * GIB / per_layer) == 32
+    # From step 2 the reading holds the state and nothing is pending: the same length, the same plan.
+    reading = 76 * GIB - level * per_layer
+    assert policy.decide(qwen3_8b(2, 16384, reading)) == level
+
+
+def test_a_reading_polluted_by_evaluation_or_saving_is_no_sample():
+    policy, step, reading = trained()
+    policy.decide(observe(step, 100, reading))
+    samples = list(policy.samples)
+    # An evaluation ran after that step: its reading is the device's size, marked not clean.
+    unclean = dataclasses.replace(observe(step + 1, 100, TOTAL), last_step_clean=False)
+    assert policy.decide(unclean) == 0
+    assert policy.samples == samples

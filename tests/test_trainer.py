@@ -257,3 +257,60 @@ def test_bad_offload_kwarg_fails_before_training(tmp_path):
     args = training_args(tmp_path, 1, offload="sometimes")
     with pytest.raises(SettingsError, match="offload='sometimes' is not one of True, False, 'auto'"):
         InOrderTrainer(model=model(), args=args, train_dataset=dataset([64]), callbacks=[AutoOffloadCallback()])
+
+
+class ForwardProbe:
+    """A probe whose reading is the longest forward (training or evaluation) since its last reset, 1000 bytes
+    per token: evaluation's long batches show in it unless the step's peak starts at the step's start."""
+
+    def __init__(self, net):
+        self.longest, self.readings = 0, []
+        net.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        self.longest = max(self.longest, kwargs["input_ids"].shape[-1])
+
+    def reset(self):
+        self.longest = 0
+
+    def read(self):
+        from autooffload import MemoryReading
+
+        self.readings.append(self.longest * 1000)
+        self.longest = 0
+        return MemoryReading(self.readings[-1], 10**9)
+
+
+def test_evaluation_and_saving_stay_out_of_the_next_steps_reading(tmp_path):
+    from conftest import InOrderTrainer
+
+    from autooffload import PredictivePolicy
+
+    net = model()
+    probe = ForwardProbe(net)
+    seen = []
+
+    class Recording(PredictivePolicy):
+        def decide(self, observation):
+            seen.append(observation)
+            return super().decide(observation)
+
+    callback = AutoOffloadCallback(probe=probe, policy=Recording())
+    args = training_args(
+        tmp_path,
+        7,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=3,
+        per_device_eval_batch_size=1,
+    )
+    trainer = InOrderTrainer(
+        model=net, args=args, train_dataset=dataset([64] * 7), eval_dataset=dataset([512] * 2), callbacks=[callback]
+    )
+    trainer.train()
+    # Every step's peak starts at the step's start: evaluation's 512-token batches never reach a reading.
+    assert probe.readings == [64_000] * 7
+    # Evaluations after steps 2 and 4, saves after 3 (Trainer's count): the readings that follow are no samples.
+    assert [o.last_step_clean for o in seen] == [True, True, True, False, False, False, True]
+    assert len(callback.controller.policy.samples) == 3

@@ -28,8 +28,16 @@ class Observation:
     checkpointed layer's saved input takes for this micro-batch, so what offloading one layer frees.
     ``levels``: the only numbers of layers allowed (torch.compile: each distinct level can cost a
     recompilation); ``None`` allows any from 0 to ``layers``. ``last_step_rescued``: the last step ran out of
-    memory and was rerun (:mod:`autooffload.rescue`), so its reading is where the device ran out, a lower
-    bound of what the step needed.
+    memory and was rerun (:mod:`autooffload.rescue`), so its reading is a lower bound of what the step needed:
+    the controller raises ``memory_bytes`` (not ``memory_fraction``, which stays the reading) to at least the
+    device's size, and to the reading plus the failed allocation where the error names its size.
+
+    What the model's config and the optimizer say (:mod:`autooffload.decide.peak`): ``logits_bytes_per_token``
+    (the logits at the loss) and ``layer_work_bytes_per_token`` (one layer's recompute working set), per token of
+    the micro-batch; ``pending_bytes``: bytes the next steps will hold that the last reading does not include
+    (the optimizer state before the first ``optimizer.step()``). ``last_step_clean``: False when an evaluation
+    or a checkpoint save ran between the last two readings, so the reading may hold more than training needs
+    and is no sample of it.
     """
 
     step: int
@@ -42,6 +50,10 @@ class Observation:
     bytes_per_layer: int | None = None
     levels: tuple[int, ...] | None = None
     last_step_rescued: bool = False
+    logits_bytes_per_token: float | None = None
+    layer_work_bytes_per_token: float | None = None
+    pending_bytes: int = 0
+    last_step_clean: bool = True
 
 
 class Policy(Protocol):
@@ -56,6 +68,12 @@ class HysteresisPolicy:
     steps have passed since the last switch. Turning on is never delayed: it is the memory-safe direction.
     Between the thresholds the current state holds, so a signal hovering near one threshold cannot make
     the offload flap.
+
+    The memory compared with the thresholds is what the last step needed without offload: its reading plus
+    what its offloaded layers held (and any ``pending_bytes``), when the observation has them in bytes. The
+    reading after offload alone would fall below ``memory_low`` because of the offload itself, switch it off,
+    and the next step would switch it on again. A reading that is not clean (an evaluation or a save ran in
+    it) leaves the last clean one in force.
     """
 
     def __init__(
@@ -73,13 +91,36 @@ class HysteresisPolicy:
         self.min_steps = min_steps
         self.offloading = False
         self.last_switch_step: int | None = None
+        self._step: int | None = None
+        self._held = 0  # the most bytes this step's offloaded layers held, over its micro-batches
+        self._need: float | None = None  # the last clean step's need without offload, a fraction of the device
 
     @classmethod
     def from_settings(cls, settings: Any) -> HysteresisPolicy:
         return cls(settings.memory_high, settings.memory_low, settings.seq_high, settings.seq_low, settings.min_steps)
 
     def decide(self, observation: Observation) -> int:
-        memory = observation.memory_fraction
+        memory = self._memory_need(observation)
+        level = self._decide(observation, memory)
+        self._held = max(self._held, level * (observation.bytes_per_layer or 0))
+        return level
+
+    def _memory_need(self, observation: Observation) -> float | None:
+        """What the last step needed without offload, as a fraction of the device; computed once per step."""
+        if observation.step == self._step:
+            return self._need
+        held = self._held if self._step is not None and observation.step == self._step + 1 else 0
+        self._step, self._held = observation.step, 0
+        if not observation.last_step_clean:
+            return self._need
+        o = observation
+        if o.memory_bytes is not None and o.total_bytes:
+            self._need = (o.memory_bytes + held + o.pending_bytes) / o.total_bytes
+        else:
+            self._need = o.memory_fraction
+        return self._need
+
+    def _decide(self, observation: Observation, memory: float | None) -> int:
         if not self.offloading:
             if (memory is not None and memory >= self.memory_high) or observation.seq_len >= self.seq_high:
                 self._switch(True, observation.step)
@@ -95,14 +136,24 @@ class HysteresisPolicy:
         own switch, so every rank's dwell counts from the same step and their states stay alike."""
         if (level > 0) != self.offloading:
             self._switch(level > 0, observation.step)
+        self._held = max(self._held, level * (observation.bytes_per_layer or 0))
 
     def _switch(self, offloading: bool, step: int) -> None:
         self.offloading = offloading
         self.last_switch_step = step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"offloading": self.offloading, "last_switch_step": self.last_switch_step}
+        return {
+            "offloading": self.offloading,
+            "last_switch_step": self.last_switch_step,
+            "step": self._step,
+            "held": self._held,
+            "need": self._need,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offloading = bool(state["offloading"])
         self.last_switch_step = state["last_switch_step"]
+        self._step = state.get("step")
+        self._held = int(state.get("held") or 0)
+        self._need = state.get("need")

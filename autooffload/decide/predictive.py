@@ -2,31 +2,27 @@
 
 The hysteresis policy reacts to the last step's reading, so a long micro-batch that does not fit fails in its
 own forward before any reading can say so, and it then offloads every layer where a few would do. This
-policy plans instead, from a model of a step's peak memory: a constant (weights, gradients, optimizer
-state) plus a term linear in the micro-batch's tokens (every layer's checkpointed input, the working set of
-the layer being recomputed, the loss), less what offloading removes (one checkpointed input per layer).
+policy plans instead, from a model of a step's peak memory (:mod:`autooffload.decide.peak`): a constant
+(weights, gradients, optimizer state) plus a term that grows with the micro-batch's tokens (every layer's
+checkpointed input, the logits at the loss or the working set of the layer being recomputed), less what
+offloading removes (one checkpointed input per layer).
 
 - Learn: after every step it keeps one sample, (tokens, the peak as if nothing had been offloaded), from
-  the step's reading plus the bytes its offloaded layers held. The slope is the least-squares slope of the
-  samples, never below the checkpointed inputs alone (layers x bytes per layer input), which is also the
-  seed until two different lengths have been seen. The intercept is the highest over the samples, so the
-  prediction is an upper line of what was seen: noise and fragmentation push it up, the safe direction.
-  A rescued step's reading is where the device ran out, a lower bound: it raises the line, but stays out
-  of the slope, which it would bend down.
-- Predict, before the micro-batch's forward: peak = intercept + slope x tokens.
+  the step's reading plus the bytes its offloaded layers held plus the bytes still to come that the reading
+  lacks (``pending_bytes``: the optimizer state before the first ``optimizer.step()``). A rescued step's
+  reading is a lower bound: it raises the prediction, but stays out of the slope, which it would bend down.
+  A reading that is not clean (an evaluation or a save ran in it) is no sample.
+- Predict, before the micro-batch's forward: the memory model's upper line for a length within those seen
+  (exact at a length already sampled, so fixed-length batches are planned from their own samples), its
+  extrapolation with the seed slope and a margin beyond the longest length seen.
 - Offload k = ceil(excess over memory_high x device memory / bytes per layer input) layers, earliest first.
-
-Never the last layer, so at most ``layers - 1``: its input is the first the backward needs, so it would be
-copied back at once, and the peak at the start of the backward (that input plus the recompute of its layer)
-is not lowered by moving it. The all-or-nothing answers (the hysteresis policy, mode ``on``, the compile
-latch, the rescue) still offload every layer: they are the blunt "as much as possible", where freeing the
-last input for the loss at the end of the forward can still matter; a plan that has counted the bytes has
-no reason to pay for that copy.
+  When that is more than ``layers - 1``, every layer: the last layer's input does not lower the peak at the
+  start of the backward, but it does at the end of the forward, where the logits are.
 
 Without a memory reading (no step finished yet, no GPU, no NVML) there is nothing to predict from: the
 hysteresis policy decides, with its sequence-length trigger: without a GPU the two policies are the same.
-Until two exact samples of different lengths exist the slope is a guess, so the hysteresis policy's answer
-(capped at ``layers - 1``) is also a floor then: no less safe than the threshold policy while learning.
+For a micro-batch longer than any sampled before two lengths have been sampled, the hysteresis policy's
+answer (capped at ``layers - 1``) is also a floor: no less safe than the threshold policy while learning.
 Pure: no torch, no clock, no I/O.
 """
 
@@ -35,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .peak import PeakModel, slope_terms
 from .policy import HysteresisPolicy, Observation
 
 
@@ -70,11 +67,11 @@ class PredictivePolicy:
         window: int = 256,
     ) -> None:
         self.memory_high = memory_high
-        self.window = window
+        self.model = PeakModel(window)
         self.fallback = HysteresisPolicy(memory_high, memory_low, seq_high, seq_low, min_steps)
-        self.samples: list[tuple[int, float, bool]] = []  # tokens, peak as if nothing offloaded, exact
         self.total_bytes: int | None = None
         self.layers = 0
+        self.token_terms: tuple[float | None, float | None] = (None, None)  # logits, layer work per token
         self._step: int | None = None
         self._pending: list[tuple[int, int, int]] = []  # tokens, layers offloaded, bytes per layer
 
@@ -82,12 +79,16 @@ class PredictivePolicy:
     def from_settings(cls, settings: Any) -> PredictivePolicy:
         return cls(settings.memory_high, settings.memory_low, settings.seq_high, settings.seq_low, settings.min_steps)
 
+    @property
+    def samples(self) -> list[tuple[int, float, bool]]:
+        return self.model.samples
+
     def decide(self, observation: Observation) -> int:
         self._learn(observation)
         level = self.plan(observation)
         if level is None:
             level = self.fallback.decide(observation)
-        elif not self.fitted:
+        elif not self.fitted and observation.tokens > (self.model.longest or 0):
             level = max(level, min(self.fallback.decide(observation), observation.layers - 1))
         self._pending.append((observation.tokens, level, observation.bytes_per_layer or 0))
         return level
@@ -103,77 +104,78 @@ class PredictivePolicy:
     @property
     def fitted(self) -> bool:
         """Two exact samples of different lengths: the slope is measured, not guessed."""
-        return len({t for t, _, exact in self.samples if exact}) >= 2
+        return self.model.fitted
 
-    def predict(self, tokens: int, bytes_per_layer: int | None = None) -> float | None:
-        """Peak bytes of a step whose largest micro-batch has ``tokens`` and offloads nothing; None before a sample."""
-        if not self.samples:
-            return None
-        slope = self.slope(self._seed(tokens, bytes_per_layer))
-        return max(y - slope * t for t, y, _ in self.samples) + slope * tokens
+    def predict(
+        self, tokens: int, bytes_per_layer: int | None = None, observation: Observation | None = None
+    ) -> float | None:
+        """Peak bytes of a step whose largest micro-batch has ``tokens`` and offloads nothing; None before a sample.
 
-    def slope(self, seed: float = 0.0) -> float:
-        """Bytes per token: the least-squares slope of the exact samples, at least ``seed``."""
-        points = [(t, y) for t, y, exact in self.samples if exact]
-        n = len(points)
-        mean_t = sum(t for t, _ in points) / n if n else 0.0
-        mean_y = sum(y for _, y in points) / n if n else 0.0
-        var = sum((t - mean_t) ** 2 for t, _ in points)
-        if var <= 0:
-            return seed
-        cov = sum((t - mean_t) * (y - mean_y) for t, y in points)
-        return max(cov / var, seed)
+        ``observation`` supplies the seed's logits and working-set terms; without it, those of the last one seen.
+        """
+        o = observation
+        logits, work = (o.logits_bytes_per_token, o.layer_work_bytes_per_token) if o else self.token_terms
+        floor, seed = slope_terms(self.layers, tokens, bytes_per_layer, logits, work)
+        return self.model.predict(tokens, floor, seed)
+
+    def slope(self, floor: float = 0.0) -> float:
+        """Bytes per token: the least-squares slope of the exact samples, at least ``floor``."""
+        return self.model.slope(floor)
 
     def plan(self, observation: Observation) -> int | None:
         """Layers to offload for this micro-batch; None when there is nothing to predict from."""
         total = self.total_bytes
         if total is None or observation.tokens <= 0:
             return None
-        predicted = self.predict(observation.tokens, observation.bytes_per_layer)
+        predicted = self.predict(observation.tokens, observation.bytes_per_layer, observation)
         if predicted is None:
             return None
         excess = predicted - self.memory_high * total
         if excess <= 0:
             return 0
-        most = max(observation.layers - 1, 0)
         per_layer = observation.bytes_per_layer
-        level = min(math.ceil(excess / per_layer), most) if per_layer else most
+        if not per_layer:
+            return observation.layers
+        level = min(math.ceil(excess / per_layer), observation.layers)
         if observation.levels:
             level = min((allowed for allowed in observation.levels if allowed >= level), default=observation.layers)
         return level
-
-    def _seed(self, tokens: int, bytes_per_layer: int | None) -> float:
-        if not bytes_per_layer or tokens <= 0:
-            return 0.0
-        return self.layers * bytes_per_layer / tokens
 
     def _learn(self, observation: Observation) -> None:
         if observation.total_bytes:
             self.total_bytes = observation.total_bytes
         self.layers = observation.layers
+        self.token_terms = (observation.logits_bytes_per_token, observation.layer_work_bytes_per_token)
         if observation.step == self._step:
             return
-        if self._pending and self._step == observation.step - 1 and observation.memory_bytes is not None:
-            self._add_sample(observation.memory_bytes, exact=not observation.last_step_rescued)
+        if (
+            self._pending
+            and self._step == observation.step - 1
+            and observation.memory_bytes is not None
+            and observation.last_step_clean
+        ):
+            reading = observation.memory_bytes + observation.pending_bytes
+            self._add_sample(reading, exact=not observation.last_step_rescued)
         self._pending = []
         self._step = observation.step
 
     def _add_sample(self, reading: int, exact: bool) -> None:
-        # The step's reading is the peak of its micro-batches: attribute it to the one predicted highest. The
-        # last layer's input does not lower the peak (see above), so it does not count as freed.
-        known = [(t, min(k, max(self.layers - 1, 0)), b) for t, k, b in self._pending if t > 0]
+        # The step's reading is the peak of its micro-batches: attribute it to the one predicted highest. Every
+        # offloaded layer counts as freed: at the end of the forward even the last one is, and counting it where
+        # it was not makes the sample larger, the safe direction.
+        known = [entry for entry in self._pending if entry[0] > 0]
         if not known:
             return
 
         def plain_less_offloaded(entry: tuple[int, int, int]) -> float:
             tokens, level, per_layer = entry
-            return self.slope(self._seed(tokens, per_layer)) * tokens - level * per_layer
+            floor, _ = slope_terms(self.layers, tokens, per_layer)
+            return self.model.slope(floor) * tokens - level * per_layer
 
         tokens, level, per_layer = max(known, key=plain_less_offloaded)
         if level and not per_layer:
             return
-        self.samples.append((tokens, float(reading + level * per_layer), exact))
-        del self.samples[: -self.window]
+        self.model.add(tokens, reading + level * per_layer, exact)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -186,7 +188,7 @@ class PredictivePolicy:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.samples = [(int(t), float(y), bool(exact)) for t, y, exact in state["samples"]]
+        self.model.samples = [(int(t), float(y), bool(exact)) for t, y, exact in state["samples"]]
         self.total_bytes = state["total_bytes"]
         self.layers = int(state["layers"])
         self._step = state["step"]

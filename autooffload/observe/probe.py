@@ -1,8 +1,10 @@
 """Observe: how full the device was at its fullest during the last optimizer step.
 
 A probe has one method, ``read() -> MemoryReading | None``, called once at the end of every optimizer
-step. :class:`NvmlProbe` reads a CUDA device; :class:`ScriptedProbe` replays given fractions, so that a
-memory curve can drive the controller on a machine without a GPU.
+step, and may have ``reset()``, called at the start of every step so that its peak is the step's own
+(evaluation and checkpoint saving run between steps). :class:`NvmlProbe` reads a CUDA device;
+:class:`ScriptedProbe` replays given fractions, so that a memory curve can drive the controller on a
+machine without a GPU.
 
 Why not NVML alone: NVML's "used" counts what PyTorch's caching allocator has reserved, and the allocator
 keeps its high-water mark reserved for reuse. After one long step "used" stays high for the rest of the
@@ -36,6 +38,8 @@ class MemoryReading:
 
 
 class MemoryProbe(Protocol):
+    """``read()`` at the end of a step; an optional ``reset()`` at its start starts the peak there."""
+
     def read(self) -> MemoryReading | None: ...
 
 
@@ -90,6 +94,10 @@ class NvmlProbe:
         peak = cuda.max_memory_allocated(self.device)
         cuda.reset_peak_memory_stats(self.device)
         return MemoryReading(peak + outside_allocator, int(info.total))
+
+    def reset(self) -> None:
+        """Start the peak here: at a step's start, so what ran between steps is not in its reading."""
+        self._torch.cuda.reset_peak_memory_stats(self.device)
 
 
 def _nvml_handle(pynvml, torch, device):
