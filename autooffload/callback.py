@@ -27,6 +27,8 @@ from .decide.policy import Policy
 from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
+PEAKED_DELTA = "train_mem_gpu_peaked_delta"
+
 
 def checkpointing_kwargs(args: Any) -> dict[str, Any]:
     """The checkpointing kwargs from TrainingArguments, under either name (``activation_`` from 5.23)."""
@@ -177,12 +179,27 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
         def log_with_autooffload(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
             logs.update(self._metrics_for(logs))
+            self._restore_peaked_delta(logs)
             return log(logs, *args, **kwargs)
 
         log_with_autooffload._autooffload = True
         log_with_autooffload._autooffload_inner = log
         trainer.log = log_with_autooffload
         self._log_wrapped = True
+
+    def _restore_peaked_delta(self, logs: dict[str, float]) -> None:
+        """Trainer's ``train_mem_gpu_peaked_delta`` (``skip_memory_metrics=False``) is torch's peak counter at
+        the end of ``train()`` minus what is allocated then; the probe resets that counter every step (see
+        :class:`~autooffload.observe.probe.NvmlProbe` for why), so the metric would be the last step's
+        peak. The probe kept the run's peak: put it back. The metrics dict is the one ``train()`` returns too.
+        """
+        run_peaked_delta = getattr(self.controller.probe, "peaked_delta", None)
+        if PEAKED_DELTA not in logs or run_peaked_delta is None:
+            return
+        try:
+            logs[PEAKED_DELTA] = max(logs[PEAKED_DELTA], run_peaked_delta())
+        except Exception as error:  # a metric must not stop training
+            self.controller.warn("peaked-delta", f"{PEAKED_DELTA} may miss earlier steps' peaks ({error!r})")
 
     # ---- checkpoints ---------------------------------------------------------------------------------
 
@@ -219,9 +236,11 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     Uses the trainer's :class:`AutoOffloadCallback` if it has one (``kwargs`` must then be empty), else adds
     one built from ``kwargs``. A callback cannot catch an exception, so the rescue wraps
     ``trainer.training_step`` on this instance (see :mod:`autooffload.rescue`); it looks the callback up at
-    every call, since resuming with ``restore_callback_states_from_checkpoint`` replaces it.
+    every call, since resuming with ``restore_callback_states_from_checkpoint`` replaces it. Where a rerun
+    is not safe (DeepSpeed, FSDP, a Trainer that overrides ``_prepare_inputs`` like TRL's GRPO), there is no
+    rescue, and one warning says why.
     """
-    from .rescue import with_rescue
+    from .rescue import rescue_refusal, with_rescue
 
     def current() -> AutoOffloadCallback | None:
         return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
@@ -232,5 +251,9 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
         trainer.add_callback(callback)
     elif kwargs:
         raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
-    with_rescue(trainer, lambda: (current() or callback).controller)
+    refusal = rescue_refusal(trainer)
+    if refusal is None:
+        with_rescue(trainer, lambda: (current() or callback).controller)
+    elif callback.controller.settings.rescue:
+        callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
     return callback

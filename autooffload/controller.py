@@ -75,6 +75,12 @@ def _layer_token_bytes(model: torch.nn.Module) -> float | None:
     return None
 
 
+def _model_devices(model: torch.nn.Module) -> list[torch.device]:
+    """Every device the parameters are on (several with ``device_map="auto"``); the CPU when there are none."""
+    devices = {parameter.device for parameter in model.parameters()}
+    return sorted(devices, key=str) or [torch.device("cpu")]
+
+
 def _text_hidden_size(config: Any) -> int | None:
     """The hidden size of the stack that consumes the tokens: the text config's where the top level has none
     (a VLM's top-level ``hidden_size`` is None on transformers 5.x)."""
@@ -147,12 +153,6 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, int | None]:
     if any(g.get("amsgrad") for g in groups):
         factor += 1.0
     return held, round(factor * trainable)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for parameter in model.parameters():
-        return parameter.device
-    return torch.device("cpu")
 
 
 class OffloadController:
@@ -249,7 +249,7 @@ class OffloadController:
         self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
         self.logits_token_bytes, self.work_token_bytes = _token_terms(model)
         self.optimizer = optimizer if optimizer is not None else self.optimizer
-        self.probe = self._make_probe(_model_device(model))
+        self.probe = self._make_probe(_model_devices(model))
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
             self._latch()
@@ -318,11 +318,11 @@ class OffloadController:
             "autooffload: checkpoint functions replaced from outside; %d layer(s) now", len(self.switch.layers)
         )
 
-    def _make_probe(self, device: torch.device) -> MemoryProbe | None:
+    def _make_probe(self, devices: list[torch.device]) -> MemoryProbe | None:
         if self.probe_choice != "auto":
             return self.probe_choice  # type: ignore[return-value]
         try:
-            return NvmlProbe(device)
+            return NvmlProbe(devices if len(devices) > 1 else devices[0])
         except ProbeUnavailable as error:
             if self.settings.mode == "auto":
                 self.warn(
@@ -632,8 +632,9 @@ class OffloadController:
         return self.summary()
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: enough for a resumed run to continue with the same offload level,
-        dwell counter, switch count and compile budget."""
+        """JSON-serialisable state: enough for a resumed run to decide as the uninterrupted one would have: the
+        offload level, dwell counter, switch count, compile budget, the last step's memory reading (the first
+        step after the resume decides from it, and a policy learns from it) and the measured layer bytes."""
         return {
             "step": self.step,
             "switches": self.switches,
@@ -643,6 +644,10 @@ class OffloadController:
             "latched": self.latched,
             "budget_spent": self.budget.spent,
             "rescues": self.rescues,
+            "memory": {"fraction": self.memory_fraction, "bytes": self.memory_bytes, "total": self.total_bytes},
+            "peak_memory_fraction": self.peak_memory_fraction,
+            "layer_token_bytes": self.layer_token_bytes,
+            "last_step_rescued": self.last_step_rescued,
             "policy": self._policy_state(),
             "kept_model": self.kept_model.state_dict(),
             "longest_read_tokens": self.longest_read_tokens,
@@ -666,6 +671,13 @@ class OffloadController:
         self.latched = bool(state["latched"])
         self.budget.spent = int(state["budget_spent"])
         self.rescues = int(state.get("rescues", 0))
+        memory = state.get("memory") or {}
+        self.memory_fraction = memory.get("fraction")
+        self.memory_bytes = memory.get("bytes")
+        self.total_bytes = memory.get("total")
+        self.peak_memory_fraction = state.get("peak_memory_fraction")
+        self.layer_token_bytes = state.get("layer_token_bytes") or self.layer_token_bytes
+        self.last_step_rescued = bool(state.get("last_step_rescued", False))
         self.level = state.get("level")
         self.kept_model.load_state_dict(state.get("kept_model") or {})
         self.longest_read_tokens = int(state.get("longest_read_tokens", 0))

@@ -19,7 +19,20 @@ is dropped, kept as text in case the error is raised after all; then ``gc`` and 
 
 Not rescued (the error is raised as it is): an error outside the forward and backward (the optimizer
 step); runs with more than one process, where the other ranks wait in a collective for this one; mode
-``off``, which forbids offload; ``AUTOOFFLOAD_RESCUE=0``.
+``off``, which forbids offload; ``AUTOOFFLOAD_RESCUE=0``. And, with one warning when :func:`attach` runs
+(:func:`rescue_refusal`), Trainers where a rerun is not safe:
+
+- DeepSpeed: Trainer's model is the engine, whose ``zero_grad`` takes no ``set_to_none``, whose backward
+  (through accelerate) steps the optimizer on the last micro-batch, and whose ZeRO-1/2 keeps accumulated
+  gradients outside ``param.grad``: clearing them and replaying cannot be done from outside.
+- FSDP (accelerate's plugin, or a model wrapped in ``FullyShardedDataParallel`` / ``fully_shard``): the
+  step's reduce-scatters are collectives, and sharded gradients live outside what ``zero_grad`` can
+  check from one rank.
+- A Trainer subclass that overrides ``_prepare_inputs`` (TRL's GRPO, RLOO, distillation). Trainer calls
+  ``_prepare_inputs`` inside ``training_step`` (4.52 and 5.23); the rescue replays ``training_step`` with the
+  same ``inputs`` objects, which gives the same micro-batch with Trainer's own ``_prepare_inputs`` (it only
+  moves tensors to the device). GRPO's returns an entry of a buffer indexed by a call counter that its
+  ``training_step`` advances, and may regenerate completions: a replay would train on other micro-batches.
 
 Two ways in:
 
@@ -134,12 +147,48 @@ class Rescue:
         raise error
 
 
+_ENGINE_TYPES = ("DeepSpeedEngine", "FullyShardedDataParallel", "FSDPModule")
+
+
+def rescue_refusal(trainer: Any, model: torch.nn.Module | None = None) -> str | None:
+    """Why rerunning a step of ``trainer`` (training ``model``) is not safe, or None when it is."""
+    accelerator = getattr(trainer, "accelerator", None)
+    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "")).upper()
+    if getattr(trainer, "is_deepspeed_enabled", False) or kind == "DEEPSPEED":
+        return (
+            "under DeepSpeed the model is the engine: its backward steps the optimizer on the last micro-batch "
+            "and ZeRO keeps accumulated gradients outside param.grad, so a failed step cannot be rerun"
+        )
+    engines = {
+        cls.__name__ for module in (model, getattr(trainer, "model_wrapped", None)) for cls in type(module).__mro__
+    }
+    if getattr(trainer, "is_fsdp_enabled", False) or kind == "FSDP" or engines & set(_ENGINE_TYPES):
+        return "under FSDP or DeepSpeed engines the step's gradients are sharded and reduced in collectives"
+    prepare = getattr(type(trainer), "_prepare_inputs", None)
+    base = _trainer_prepare_inputs()
+    if base is not None and prepare is not None and prepare is not base:
+        return (
+            f"{type(trainer).__name__} overrides _prepare_inputs (as TRL's GRPO does, with a buffer indexed by a "
+            "call counter), so rerunning training_step could train on other micro-batches"
+        )
+    return None
+
+
+def _trainer_prepare_inputs() -> Any:
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return None
+    return Trainer._prepare_inputs
+
+
 def with_rescue(trainer: Any, controller: OffloadController | Callable[[], OffloadController]) -> None:
     """Wrap ``trainer.training_step`` (one micro-batch) on the instance with the rescue.
 
     The wrapper remembers the micro-batches of the current optimizer step (Trainer holds them for the whole
     step anyway); after an out-of-memory error in one of them it replays the earlier ones and the failed one.
-    Wrapping twice does nothing.
+    Wrapping twice does nothing. Where a model wrapped in a DeepSpeed or FSDP engine turns up only at the
+    first call (:func:`rescue_refusal`), the error is raised as it is, with that reason as a note.
     """
     inner = trainer.training_step
     if getattr(inner, "_autooffload_rescue", False):
@@ -159,6 +208,11 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
         else:
             earlier.append((inputs, args, kwargs))
             return loss
+
+        refusal = rescue_refusal(trainer, model)
+        if refusal is not None:
+            _note(failed, f"autooffload: no rescue: {refusal}")
+            raise failed
 
         def replay() -> torch.Tensor:
             for batch, batch_args, batch_kwargs in earlier:

@@ -223,19 +223,21 @@ def memory_readers(device: str) -> dict[str, Callable[[], int]]:
 
     index = torch.device(device).index or 0
     probe = NvmlProbe(torch.device("cuda", index))
-    nvml = probe._nvml
+    nvml, handle = probe._nvml, probe._handles[index]  # no handle where NVML cannot name the device (MIG)
 
     def mem_get_info_used() -> int:
         free, total = torch.cuda.mem_get_info(index)
         return total - free
 
-    return {
+    readers = {
         "probe_step_peak": lambda: probe.read().used_bytes,
         "allocated": lambda: torch.cuda.memory_allocated(index),
         "reserved": lambda: torch.cuda.memory_reserved(index),
-        "nvml_used": lambda: int(nvml.nvmlDeviceGetMemoryInfo(probe._handle).used),
         "mem_get_info_used": mem_get_info_used,
     }
+    if handle is not None:
+        readers["nvml_used"] = lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+    return readers
 
 
 def part_probe(device: str, quick: bool, budget_s: float) -> dict[str, Any]:

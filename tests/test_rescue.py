@@ -15,7 +15,7 @@ import torch
 from conftest import LAYERS, dataset, expected_bytes, model, training_args
 from transformers import Trainer, TrainerCallback
 
-from autooffload import AutoOffloadCallback, OffloadController, Rescue, Settings, attach
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Rescue, Settings, attach
 
 LENGTHS = [64, 96, 128, 80, 112, 72]  # 3 steps of 2 micro-batches
 FAIL_AT = 4  # the 4th micro-batch: the second of step 1
@@ -172,3 +172,91 @@ def test_custom_loop_rescue_matches_a_loop_that_never_failed():
         assert torch.equal(a, b), name
     assert controller.stats.total_bytes == expected_bytes(64 + 96) and controller.level == 0
     assert LAYERS == 4
+
+
+class CounterBufferTrainer(Trainer):
+    """Like TRL's GRPO: ``_prepare_inputs`` returns an entry of a buffer indexed by a counter that
+    ``training_step`` advances after each micro-batch, so calling ``training_step`` again with the same
+    ``inputs`` gives another micro-batch."""
+
+    def __init__(self, *args, buffer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.buffer, self.calls, self.trained = buffer, 0, []
+
+    def _get_train_sampler(self, *args, **kwargs):
+        from torch.utils.data import SequentialSampler
+
+        return SequentialSampler(self.train_dataset)
+
+    def _prepare_inputs(self, inputs):
+        batch = self.buffer[self.calls % len(self.buffer)]
+        self.trained.append(self.calls % len(self.buffer))
+        return super()._prepare_inputs(batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.calls += 1
+        return loss
+
+
+def test_a_trainer_with_its_own_prepare_inputs_is_not_rescued_and_says_why(tmp_path):
+    data = dataset(LENGTHS)
+    buffer = [{k: v[None] for k, v in data[i].items()} for i in range(len(LENGTHS))]
+    net = model()
+    Injector(at=FAIL_AT).install(net, "forward")
+    args = training_args(tmp_path, len(LENGTHS) // 2, gradient_accumulation_steps=2)
+    trainer = CounterBufferTrainer(model=net, args=args, train_dataset=data, buffer=buffer)
+    with pytest.warns(AutoOffloadWarning, match="overrides _prepare_inputs") as warned:
+        attach(trainer, probe=None)
+    assert len([w for w in warned if issubclass(w.category, AutoOffloadWarning)]) == 1
+    # A replay would have trained micro-batches 0 and 1 of the buffer's next entries (4 and 5), not 2 and 3.
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+    assert trainer.trained == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("engine", ["is_deepspeed_enabled", "is_fsdp_enabled"])
+def test_no_rescue_under_deepspeed_or_fsdp_with_one_warning(tmp_path, engine):
+    from conftest import InOrderTrainer
+
+    net = model()
+    injector = Injector(at=FAIL_AT)
+    injector.install(net, "forward")
+    args = training_args(tmp_path, len(LENGTHS) // 2, gradient_accumulation_steps=2)
+    trainer = InOrderTrainer(model=net, args=args, train_dataset=dataset(LENGTHS))
+    setattr(trainer, engine, True)  # what Trainer sets from the accelerator's DeepSpeed or FSDP plugin
+    with pytest.warns(AutoOffloadWarning, match="not rescued: under (DeepSpeed|FSDP)"):
+        callback = attach(trainer, probe=None)
+    setattr(trainer, engine, False)  # there is no DeepSpeed or FSDP on this CPU: train plainly
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.train()
+    assert raised.value is injector.errors[0] and callback.controller.rescues == 0
+
+
+def test_a_model_wrapped_in_an_engine_at_the_first_step_is_not_rescued(tmp_path):
+    from conftest import InOrderTrainer
+
+    from autooffload.rescue import with_rescue
+
+    class FullyShardedDataParallel(torch.nn.Module):  # named as torch's FSDP wrapper: the rescue reads the name
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(Settings(), probe=None)
+    assert controller.attach(net)
+    trainer = InOrderTrainer(model=net, args=training_args(tmp_path, 1), train_dataset=dataset([64]))
+    errors = []
+
+    def failing(model, inputs, *args, **kwargs):
+        errors.append(torch.OutOfMemoryError("injected"))
+        raise errors[-1]
+
+    trainer.training_step = failing
+    with_rescue(trainer, controller)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.training_step(FullyShardedDataParallel(net), {})
+    assert raised.value is errors[0] and len(errors) == 1 and controller.rescues == 0
+    assert any("no rescue: under FSDP" in note for note in raised.value.__notes__)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import InOrderTrainer, dataset, expected_bytes, model, training_args
+from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, ScriptedProbe
 
@@ -47,3 +48,48 @@ def test_a_fresh_run_without_the_state_would_have_switched_off(tmp_path):
     trainer = InOrderTrainer(model=model(), args=args, train_dataset=dataset(LENGTHS[3:]), callbacks=[callback])
     trainer.train()
     assert [active for _, active, _ in offload_logs(trainer)] == [0.0, 0.0]
+
+
+class MicroBatchLevels(TrainerCallback):
+    """The offload level of every micro-batch (Trainer calls on_substep_end after each one but the last of a
+    step, on_step_end after the last) and the bytes moved in every step."""
+
+    def __init__(self) -> None:
+        self.levels: list[int] = []
+        self.moved: list[int] = []
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.levels.append(self.controller.level)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.levels.append(self.controller.level)
+        self.moved.append(self.controller.last_step_bytes)
+
+
+CURVE = [0.3, 0.35, 0.99, 0.3, 0.3, 0.3]  # the step before the resume read 0.99: the next one must offload
+ACCUMULATED = [64, 96, 128, 80, 112, 72, 96, 64, 80, 128, 64, 96]  # 6 steps of 2 micro-batches
+
+
+def levels_run(tmp_path, policy, steps, fractions, resume=None, save_steps=None):
+    callback = AutoOffloadCallback(min_steps=2, probe=ScriptedProbe(fractions), policy=policy)
+    recorder = MicroBatchLevels()
+    save = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(save_strategy="no")
+    args = training_args(tmp_path, steps, gradient_accumulation_steps=2, **save)
+    trainer = InOrderTrainer(
+        model=model(), args=args, train_dataset=dataset(ACCUMULATED), callbacks=[callback, recorder]
+    )
+    recorder.controller = callback.controller
+    trainer.train(resume_from_checkpoint=resume)
+    return recorder
+
+
+@pytest.mark.parametrize("policy", ["hysteresis", "predictive"])
+def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, policy):
+    whole = levels_run(tmp_path / "whole", policy, 6, CURVE)
+    levels_run(tmp_path / "first", policy, 3, CURVE, save_steps=3)
+    # The resumed run's probe continues the curve where the first run's stopped.
+    resumed = levels_run(tmp_path / "first", policy, 6, CURVE[3:], resume=str(tmp_path / "first" / "checkpoint-3"))
+
+    assert whole.levels[6] > 0  # the step after the save offloads, from the reading saved with the checkpoint
+    assert resumed.levels == whole.levels[6:]
+    assert resumed.moved == whole.moved[3:]
