@@ -367,9 +367,11 @@ def test_the_measured_model_is_in_the_saved_state():
     resumed.attach(checkpointed(qwen3(dropout=0.0)))
     assert resumed.kept_model.samples == controller.kept_model.samples and (64, 64) in resumed.kept_model.samples
     assert resumed.longest_read_tokens == 64
-    resumed.end_step()  # a reading: the resumed run keeps at once, and measures nothing again
+    # The last reading is in the state too: the first micro-batch after the resume keeps, as the uninterrupted
+    # run's would, and measures nothing again.
     resumed.before_forward(64, 64)
-    assert resumed.switch.kept == LAYERS and not resumed.switch.measuring
+    controller.before_forward(64, 64)
+    assert resumed.switch.kept == controller.switch.kept == LAYERS and not resumed.switch.measuring
 
 
 def test_a_container_models_kept_calls_run_the_layer_directly():
