@@ -419,3 +419,27 @@ def test_keep_survives_a_trainer_that_disables_and_reenables_checkpointing():
     assert controller.kept_model.samples == samples  # nothing measured again
     functions = {layer._gradient_checkpointing_func.__name__ for layer in net.model.layers}
     assert functions == {"checkpoint_keep"}
+
+
+def test_a_resumed_trainer_run_keeps_as_the_uninterrupted_one(tmp_path):
+    lengths = [64] * 5
+
+    def kept_logs(trainer):
+        return [h["autooffload/kept"] for h in trainer.state.log_history if "loss" in h]
+
+    def trainer(path, steps, callback, **extra):
+        args = training_args(path, steps, **extra)
+        return InOrderTrainer(model=qwen3(dropout=0.0), args=args, train_dataset=dataset(lengths), callbacks=[callback])
+
+    uninterrupted = trainer(tmp_path / "full", 5, AutoOffloadCallback(recompute="auto", probe=Ample()))
+    uninterrupted.train()
+    first = AutoOffloadCallback(recompute="auto", probe=Ample())
+    trainer(tmp_path / "run", 3, first, save_strategy="steps", save_steps=3).train()
+    second = AutoOffloadCallback(recompute="auto", probe=Ample())
+    measured = []
+    second.controller.kept_model.add = lambda *sample: measured.append(sample)
+    resumed = trainer(tmp_path / "run", 5, second, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert kept_logs(resumed) == kept_logs(uninterrupted) == [0.0, 1.0, 1.0, 1.0, 1.0]
+    # The measured model came with the checkpoint: nothing is measured again.
+    assert second.controller.kept_model.samples == first.controller.kept_model.samples != {} and measured == []
