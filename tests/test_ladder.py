@@ -319,7 +319,8 @@ def test_keep_is_off_while_offloading_rescuing_or_in_fixed_modes():
     assert controller.rescue()
     assert controller.before_forward(64, 64) == LAYERS and controller.switch.kept == 0  # rescue: all offload
     controller.end_step()
-    assert controller.before_forward(64, 64) == 0 and controller.switch.kept == LAYERS
+    # The rescue taught the policy to offload at this length: while it offloads, nothing is kept.
+    assert controller.before_forward(64, 64) > 0 and controller.switch.kept == 0
     for mode in ("on", "off"):
         fixed = OffloadController(Settings(recompute="auto", mode=mode), probe=Ample())
         fixed.attach(checkpointed(qwen3(dropout=0.0)))
