@@ -1,4 +1,4 @@
-"""``python -m autooffload`` / ``autooffload``: the command line (``demo``, ``estimate``)."""
+"""``python -m autooffload`` / ``autooffload``: the command line (``demo``, ``estimate``, ``plot``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("demo", "estimate")
+    commands = ("demo", "estimate", "plot")
     usage = f"usage: autooffload {{{','.join(commands)}}} [options]   (autooffload COMMAND --help for its options)"
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "demo":
         from .demo import main as run
+    elif command == "plot":
+        from .plot import main as run
     else:
         from .estimate import main as run
     return run(rest)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
+from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
@@ -24,6 +25,7 @@ from .apply.compile_guard import is_compiled
 from .apply.paths import deepspeed_config_warning
 from .controller import OffloadController, logger
 from .decide.policy import Policy
+from .history import history_path, truncate_history
 from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
@@ -77,6 +79,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         rescue: bool | None = None,
+        host_memory: str | None = None,
     ) -> None:
         given = dict(
             mode=mode,
@@ -91,11 +94,13 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             rescue=rescue,
             sync_ranks=sync_ranks,
             recompute=recompute,
+            host_memory=host_memory,
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}
         self.controller = OffloadController(Settings.from_env(**self.explicit), probe=probe, policy=policy)
         self._log_wrapped = False
+        self.history_path: Path | None = None
         self._predecessor = AutoOffloadCallback._latest
         AutoOffloadCallback._latest = weakref.ref(self)
 
@@ -125,6 +130,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         optimizer = kwargs.get("optimizer") or getattr(trainer, "optimizer", None)
         if model is not None:
             self.controller.attach(model, compiled=compiled, optimizer=optimizer)
+        self._open_history(args)
         self._warn_deepspeed(trainer)
         self._wrap_log(trainer)
 
@@ -141,8 +147,10 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     def on_save(self, args, state, control, **kwargs):
         self.controller.note_side_work()
+        self._write_history()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self._write_history()
         # Only where no Trainer was found to wrap: reporting callbacks before this one miss the keys.
         metrics = {} if self._log_wrapped else self._metrics_for(logs)
         if metrics:
@@ -161,7 +169,29 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             summary = self.controller.finish()  # every rank: a collective under torch.distributed
             if state.is_world_process_zero:
                 logger.info(summary)
+        self._write_history()
         self.controller.detach()
+
+    # ---- history -------------------------------------------------------------------------------------
+
+    def _open_history(self, args: Any) -> None:
+        """Each rank's history file under ``output_dir``, cut back to the step this run starts from: a resumed
+        run appends after its checkpoint's step, and the steps an earlier run wrote past it are dropped."""
+        output_dir = getattr(args, "output_dir", None)
+        if self.controller.switch is None or not output_dir:
+            self.history_path = None
+            return
+        self.controller.history.clear()
+        rank, world = getattr(args, "process_index", 0), getattr(args, "world_size", 1)
+        self.history_path = history_path(output_dir, rank, world)
+        try:
+            truncate_history(self.history_path, self.controller.step)
+        except OSError as error:
+            self.controller.warn("history-write", f"cannot rewrite the history at {self.history_path} ({error})")
+
+    def _write_history(self) -> None:
+        if self.history_path is not None:
+            self.controller.write_history(self.history_path)
 
     def _warn_deepspeed(self, trainer: Trainer | None) -> None:
         plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)

@@ -24,11 +24,13 @@ fallback.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from .apply.compile_guard import CompileBudget, is_compiled
+from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_node
 from .apply.offload import OffloadStats
 from .apply.paths import uncontrolled
 from .apply.switch import CheckpointSwitch, find_targets
@@ -37,7 +39,8 @@ from .decide.activations import KeptLayerModel, LayerShape
 from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
-from .distributed import RankPeak, agree, agree_plan, worst_rank
+from .distributed import AgreementGroup, RankPeak, agree, agree_plan, world_size, worst_rank
+from .history import HistoryRecorder, StepRecord, fixed_reason, policy_reason
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
 from .warn import WarnOnce
@@ -162,7 +165,8 @@ class OffloadController:
     ``probe``: a :class:`~autooffload.observe.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
     ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: the
     one ``settings.policy`` names). ``compiled``: force or deny the torch.compile budget; by default it is on
-    when the attached model is compiled.
+    when the attached model is compiled. ``host``: the host memory manager both engines take buffers from
+    (default: one whose budget is set at attach from ``settings.host_memory`` and ``LOCAL_WORLD_SIZE``).
     """
 
     def __init__(
@@ -171,8 +175,12 @@ class OffloadController:
         *,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | None = None,
+        host: HostMemory | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
+        self.host = host if host is not None else HostMemory()
+        self.agreement: AgreementGroup | None = None
+        self._cap_logged = False
         self.policy = policy if policy is not None else make_policy(self.settings)
         self.probe_choice = probe
         self.probe: MemoryProbe | None = None
@@ -225,6 +233,8 @@ class OffloadController:
         self._step_tokens = 0
         self._step_kept: list[tuple[int, int, int]] = []  # tokens, seq, kept layers per micro-batch
         self._reading_kept_bytes = 0.0
+        self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
+        self.recorder = HistoryRecorder()
 
     # ---- apply ---------------------------------------------------------------------------------------
 
@@ -241,7 +251,11 @@ class OffloadController:
         if not targets:
             self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn)
+        if self.host.budget_bytes is None:
+            self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
+        if self.settings.sync_ranks and world_size() > 1 and self.agreement is None:
+            self.agreement = AgreementGroup()  # every rank attaches at the same point: new_group is a collective
+        self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
         self.switch.on_measured = self._on_measured
         self.kept_model.seed = self.kept_model.seed or _layer_shape(model)
         self._model, self._dormant = model, []
@@ -256,11 +270,15 @@ class OffloadController:
         fixed = self._fixed_level()
         self._apply(fixed if fixed is not None else self.level or 0)
         logger.info(
-            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s",
+            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, "
+            "host memory budget %.1f MiB for this rank (AUTOOFFLOAD_HOST_MEMORY=%s over %d rank(s) of the node)",
             len(self.switch.layers),
             self.settings.mode,
             type(self.probe).__name__ if self.probe is not None else "none",
             self.compiled,
+            self.host.budget_bytes / 2**20,
+            self.settings.host_memory,
+            ranks_per_node(),
         )
         return True
 
@@ -271,12 +289,14 @@ class OffloadController:
             self._hook.remove()
             self._hook = None
         if self.switch is not None:
+            self.switch.close()
             if restore:
                 self.switch.restore()
             else:
                 self.switch.apply(0)
             self.switch = None
         self._model = None
+        self.host.release_all()
 
     def _follow_installed(self) -> None:
         """Rebuild the targets if the checkpoint functions changed hands since the last forward.
@@ -310,6 +330,7 @@ class OffloadController:
                 "level 0 until it is turned on again",
             )
         level = max(self.switch.offloaded, 0)
+        self.switch.close()
         self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
         self.switch.on_measured = self._on_measured
         self.reinstalls += 1
@@ -360,14 +381,18 @@ class OffloadController:
         self.switch.engine.begin_forward()
         self._settle_budget()
         self.last_seq_len, self.last_tokens = seq_len, tokens
-        level = self._decide(seq_len, tokens) if self.switch.layers else 0
+        cap = self._host_cap(tokens)
+        decided = self._capped(self._decide(seq_len, tokens, cap), cap) if self.switch.layers else 0
         if self.settings.recompute == "auto":
-            level, keep = agree_plan(self, level, self._plan_keep(seq_len, tokens, level))
+            level, keep = agree_plan(self, decided, self._plan_keep(seq_len, tokens, decided), cap)
         else:
-            level, keep = agree(self, level), 0
+            level, keep = agree(self, decided, cap), 0
+        if level != decided:
+            self.reason = "rank_agreement"
         if self.compiled and (level, keep) != (self.switch.offloaded, self.switch.kept) and self._micro_batches > 0:
             self.budget.switched()
-        if level != self.switch.offloaded and self._micro_batches > 0:
+        switched = level != self.switch.offloaded and self._micro_batches > 0
+        if switched:
             self.switches += 1
             logger.info(
                 "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s)",
@@ -384,6 +409,7 @@ class OffloadController:
         self._offloaded_this_step |= level > 0
         self._layer_tokens += self.switch.offloaded * tokens
         self._micro_batches += 1
+        self.recorder.micro_batch(self, seq_len, tokens, switched)
         return level
 
     def _fixed_level(self) -> int | None:
@@ -394,12 +420,43 @@ class OffloadController:
             return 0
         return None
 
-    def _decide(self, seq_len: int, tokens: int) -> int:
+    def _host_cap(self, tokens: int) -> int | None:
+        """The most layers whose saved inputs fit this rank's host budget at ``tokens``; None if not known yet."""
+        assert self.switch is not None
+        if self.host.budget_bytes is None or not self.layer_token_bytes or tokens <= 0:
+            return None
+        layers = len(self.switch.layers)
+        cap = min(layers, self.host.budget_bytes // page_round(round(self.layer_token_bytes * tokens)))
+        if self.compiled:
+            cap = max(level for level in compile_levels(layers, self.settings.compile_max_switches) if level <= cap)
+        return cap
+
+    def _capped(self, level: int, cap: int | None) -> int:
+        if cap is None or level <= cap:
+            return level
+        self.reason = "host_cap"
+        if not self._cap_logged:
+            self._cap_logged = True
+            logger.info(
+                "autooffload: step %d: offload capped at %d of the %d layer(s) asked for: the host memory budget "
+                "(%.1f MiB for this rank, AUTOOFFLOAD_HOST_MEMORY=%s) holds no more at %d tokens",
+                self.step,
+                cap,
+                level,
+                self.host.budget_bytes / 2**20,
+                self.settings.host_memory,
+                self.last_tokens,
+            )
+        return cap
+
+    def _decide(self, seq_len: int, tokens: int, host_layers: int | None = None) -> int:
         assert self.switch is not None
         fixed = self._fixed_level()
         if fixed is not None:
+            self.reason = fixed_reason(self.latched, self.rescuing, self.settings.mode)
             return fixed
         if self._policy_failed:
+            self.reason = "policy_failed"
             return 0
         layers = len(self.switch.layers)
         memory_bytes, memory_fraction = self._memory_as_if_all_recomputed()
@@ -418,15 +475,19 @@ class OffloadController:
             layer_work_bytes_per_token=self.work_token_bytes,
             pending_bytes=self.pending_bytes,
             last_step_clean=self.last_step_clean,
+            host_layers=host_layers,
         )
         try:
-            return max(0, min(int(self.policy.decide(observation)), layers))
+            level = max(0, min(int(self.policy.decide(observation)), layers))
         except Exception as error:  # a user's policy must not end the run
             self._policy_failed = True
+            self.reason = "policy_failed"
             self.warn(
                 "policy", f"policy {type(self.policy).__name__} raised {error!r}; plain checkpointing from now on"
             )
             return 0
+        self.reason = policy_reason(self.policy)
+        return level
 
     def _memory_as_if_all_recomputed(self) -> tuple[int | None, float | None]:
         """The last reading less what kept layers added to it: what the policies plan from (they know nothing
@@ -505,6 +566,7 @@ class OffloadController:
         self.rescues += 1
         self.rescuing = True
         self._tried_bytes = max(self._tried_bytes or 0, tried_bytes or 0)
+        self.recorder.rescue()
         logger.warning(
             "autooffload: step %d ran out of device memory; rerunning it with all %d layer(s) offloaded",
             self.step,
@@ -560,13 +622,46 @@ class OffloadController:
         self.pending_bytes = self._pending_optimizer_bytes()
         self._step_begun = False
         self.step += 1
+        self.host.end_step()
+        if self.switch is not None:
+            self._record_step()
 
     def _pending_optimizer_bytes(self) -> int:
-        """Optimizer state that did not exist when the step just read began, so its reading lacks it."""
-        if self.optimizer is None:
+        """Optimizer state that did not exist when the step just read began, so its reading lacks it.
+
+        Only while the state is still empty at a step's start (torch's optimizers create it whole at their
+        first ``step()``): once any exists, what the count says of it (ZeRO's partitions, a state restored
+        on resume) is noise, not state still to come, and a resumed run must decide as the uninterrupted one.
+        """
+        if self.optimizer is None or self._state_at_start > 0:
             return 0
         expected = optimizer_state_bytes(self.optimizer)[1]
-        return max(0, expected - self._state_at_start) if expected is not None else 0
+        return max(0, expected) if expected is not None else 0
+
+    # ---- history -------------------------------------------------------------------------------------
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One record per optimizer step not yet written (autooffload.history describes the fields)."""
+        return self.recorder.pending
+
+    def write_history(self, path: str | os.PathLike) -> int:
+        """Append the records not yet written to ``path`` (JSON Lines) and forget them; returns how many.
+        A file that cannot be written gives one warning; the records wait for the next call."""
+        try:
+            return self.recorder.write(path)
+        except OSError as error:
+            self.warn("history-write", f"cannot write the history to {path} ({error}); the records wait in memory")
+            return 0
+
+    def _record_step(self) -> None:
+        self.recorder.end_step(self)
+        if self.recorder.dropped:
+            self.warn(
+                "history-dropped",
+                f"{self.recorder.limit} history records were never written; the oldest are dropped "
+                "(call controller.write_history(path) now and then)",
+            )
 
     def _read_memory(self) -> float | None:
         self.memory_bytes = None
@@ -603,6 +698,7 @@ class OffloadController:
             "autooffload/offloaded_bytes": float(self.last_step_bytes),
             "autooffload/switches": float(self.switches),
             "autooffload/rescues": float(self.rescues),
+            "autooffload/host_bytes": float(self.host.held_bytes),
         }
         if self.memory_fraction is not None:
             logs["autooffload/memory_fraction"] = self.memory_fraction
@@ -628,7 +724,7 @@ class OffloadController:
         """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
         gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
         others'. Returns the summary."""
-        self.worst_rank = worst_rank(self.peak_memory_fraction, self.settings.sync_ranks)
+        self.worst_rank = worst_rank(self.peak_memory_fraction, self.settings.sync_ranks, self.agreement)
         return self.summary()
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """``autooffload demo``: train a tiny random Qwen3 through Trainer on mixed lengths and show each decision.
 
-Runs anywhere (CPU included) in a few seconds. Per optimizer step it prints the micro-batch's sequence
-length, whether its checkpointed inputs were offloaded, the bytes the hooks moved, and the arithmetic
-they must equal: checkpointed layers x batch x seq x hidden x dtype-bytes.
+Runs anywhere (CPU included) in a few seconds. Per optimizer step it prints, from the history the callback
+wrote (``<output_dir>/autooffload/history.jsonl``), the micro-batch's sequence length, the layers it
+offloaded and why, the bytes the hooks moved, and the arithmetic they must equal: offloaded layers x batch
+x seq x hidden x dtype-bytes; then it draws the history (``history.png`` next to it) where matplotlib is
+installed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -61,35 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autooffload demo", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-high", type=int, default=256, help="sequence length that turns offload on")
     parser.add_argument("--seq-low", type=int, default=128, help="sequence length below which it may turn off")
-    parser.add_argument("--min-steps", type=int, default=1)
+    parser.add_argument("--min-steps", type=int, default=2, help="steps after a switch before it may turn off")
     parser.add_argument("--output-dir", default="/tmp/autooffload-demo")
     options = parser.parse_args(argv)
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from .callback import AutoOffloadCallback
+    from .history import read_history
 
     logging.getLogger("transformers.autooffload").setLevel(logging.INFO)
     warnings.simplefilter("ignore", FutureWarning)
     layers, hidden = 4, 64
-    lengths = [64, 64, 512, 64, 64, 64, 64, 384, 512, 64, 64, 64]
+    lengths = [64, 64, 512, 64, 64, 200, 64, 384, 512, 64, 64, 64]
     model = tiny_qwen3(layers, hidden)
     callback = AutoOffloadCallback(seq_high=options.seq_high, seq_low=options.seq_low, min_steps=options.min_steps)
     controller = callback.controller
-    rows: list[tuple[int, int, str, int, int]] = []
-
-    class PrintStep(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            seq = controller.last_seq_len
-            level = controller.level or 0
-            # The stream engine keeps the last checkpointed layer's input on the device.
-            moved_layers = level - int(controller.settings.engine == "stream" and level == layers)
-            offloaded = level > 0
-            expected = moved_layers * 1 * seq * hidden * 4
-            rows.append(
-                (state.global_step, seq, "offload" if offloaded else "plain", controller.last_step_bytes, expected)
-            )
-
     args = TrainingArguments(
         output_dir=options.output_dir,
         per_device_train_batch_size=1,
@@ -103,14 +93,38 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
         **checkpointing_arguments("auto"),
     )
-    trainer = Trainer(
-        model=model, args=args, train_dataset=MixedLengths(lengths, 256), callbacks=[callback, PrintStep()]
-    )
+    trainer = Trainer(model=model, args=args, train_dataset=MixedLengths(lengths, 256), callbacks=[callback])
     trainer.train()
 
+    assert callback.history_path is not None
+    records = read_history(callback.history_path)
+    # The stream engine keeps the last checkpointed layer's input on the device.
+    last_kept = int(controller.settings.engine == "stream")
     arithmetic = "offloaded layers x seq x hidden x 4"
-    print(f"\n{'step':>4} {'seq':>5} {'mode':>8} {'bytes offloaded':>16} {arithmetic:>36}  ok")
-    for step, seq, mode, moved, expected in rows:
-        print(f"{step:>4} {seq:>5} {mode:>8} {moved:>16,} {expected:>36,}  {'yes' if moved == expected else 'NO'}")
+    print(f"\n{'step':>4} {'seq':>5} {'layers':>6} {'why':>12} {'bytes offloaded':>16} {arithmetic:>36}  ok")
+    ok = True
+    for record in records:
+        expected = sum(
+            (level - last_kept * (level == layers)) * tokens * hidden * 4
+            for level, tokens in zip(record["offloaded"], record["tokens"], strict=True)
+        )
+        ok &= record["bytes_moved"] == expected
+        print(
+            f"{record['step']:>4} {max(record['seq_lens']):>5} {max(record['offloaded']):>6} "
+            f"{record['reasons'][-1]:>12} {record['bytes_moved']:>16,} {expected:>36,}  "
+            f"{'yes' if record['bytes_moved'] == expected else 'NO'}"
+        )
     print(controller.summary())
-    return 0 if all(moved == expected for *_, moved, expected in rows) else 1
+    print(f"history: {callback.history_path}")
+    _plot(records, callback.history_path.with_suffix(".png"), args.device.type)
+    return 0 if ok else 1
+
+
+def _plot(records: list[dict], out: Path, device: str) -> None:
+    from .plot import EXTRA_HINT, draw
+
+    title = f"autooffload demo: tiny Qwen3, mixed lengths, {device.upper()}"
+    try:
+        print(f"plot:    {draw(records, out, title=title)}")
+    except ImportError:
+        print(f"plot:    skipped ({EXTRA_HINT})")

@@ -12,10 +12,15 @@ When the group's level differs from what it decided, it is told through an optio
 other rank (``HysteresisPolicy`` takes the group's level as its own state). A policy without the method keeps
 its own state, and the group's level is still the maximum of the ranks' decisions.
 
-Cost: one collective per training micro-batch. With a backend that carries CPU tensors (gloo, or
-``"cpu:gloo,cuda:nccl"``) the tensor stays on the host. With NCCL it lives on the local CUDA device, and
-reading the result waits for the work already queued on that device: a host-device synchronisation before
-every forward (measure it with ``benchmarks/rank_agreement.py`` and ``benchmarks/multi_gpu_smoke.py``).
+The same collective carries each rank's host-memory cap (the most layers its budget holds), and the group
+runs the smallest: ``min(max of the levels, min of the caps)``, one level on every rank.
+
+Cost: one collective per training micro-batch, on the host. The decision's inputs live on the host, so the
+ranks agree over a gloo group made once at attach (:class:`AgreementGroup`); where the default group's
+backend already takes CPU tensors (gloo, ``"cpu:gloo,cuda:nccl"``) that group is used as it is. Over NCCL the
+tensor would live on the device, and reading the result would wait for all the work queued there: a
+host-device synchronisation before every forward. Only without gloo does it fall back to that (measure
+both with ``benchmarks/rank_agreement.py``).
 
 Every rank must make the same calls: autooffload makes one per training-mode forward under grad of the
 attached model, and none in ``mode="on"``/``"off"`` (the level is fixed by the settings, alike on every rank).
@@ -58,38 +63,67 @@ def collective_device() -> torch.device:
     return torch.device(kind.type, accelerator.current_device_index())
 
 
-def all_reduce_max(value: int) -> int:
-    """The largest ``value`` over all ranks (a collective: every rank must call it)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return int(tensor.item())
+def takes_cpu_tensors() -> bool:
+    """Does the default group's backend carry CPU tensors (gloo, mpi, or a ``cpu:`` entry)?"""
+    backend = str(torch.distributed.get_backend()).lower()
+    return any(name in backend for name in ("gloo", "mpi", "cpu:"))
 
 
-def all_reduce_max_values(values: list[int]) -> list[int]:
-    """Each of ``values``' largest over all ranks, in one collective (every rank must call it)."""
-    tensor = torch.tensor(values, dtype=torch.int64, device=collective_device())
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return [int(value) for value in tensor.tolist()]
+class AgreementGroup:
+    """Where the agreement runs: a gloo side group when the default backend cannot take CPU tensors (NCCL),
+    else the default group; the small tensor then always lives on the host. Made once, at attach, by every
+    rank at the same point (``new_group`` is itself a collective over the default group). ``always_side``:
+    make the side group even where the default group would do (a benchmark compares the two)."""
+
+    def __init__(self, always_side: bool = False) -> None:
+        self.group = None
+        self.device = torch.device("cpu")
+        self.side = False
+        if takes_cpu_tensors() and not always_side:
+            return
+        if torch.distributed.is_gloo_available():
+            self.group = torch.distributed.new_group(backend="gloo")
+            self.side = True
+        else:
+            self.device = collective_device()
 
 
-def agree(controller: OffloadController, level: int) -> int:
-    """The level every rank runs for this micro-batch: the ranks' maximum, when there is a group to ask."""
+def all_reduce_max(values: list[int], group: AgreementGroup | None = None) -> list[int]:
+    """The largest of each of ``values`` over all ranks (a collective: every rank must call it).
+    Without ``group``, over the default group on its backend's device."""
+    device = collective_device() if group is None else group.device
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(
+        tensor, op=torch.distributed.ReduceOp.MAX, group=None if group is None else group.group
+    )
+    return tensor.tolist()
+
+
+def agree(controller: OffloadController, level: int, cap: int | None = None) -> int:
+    """The level every rank runs for this micro-batch: the ranks' maximum, capped at the smallest rank's
+    host-memory cap (``None``: no cap), when there is a group to ask."""
     settings = controller.settings
     if not settings.sync_ranks or settings.mode != "auto" or world_size() < 2:
         return level
-    agreed = all_reduce_max(level)
+    layers = len(controller.switch.layers) if controller.switch is not None else level
+    most, least_cap = all_reduce_max([level, -(layers if cap is None else cap)], controller.agreement)
+    agreed = min(most, -least_cap)
     if agreed != level:
         _tell_policy(controller, agreed)
     return agreed
 
 
-def agree_plan(controller: OffloadController, level: int, keep: int) -> tuple[int, int]:
-    """The plan every rank runs (``recompute="auto"``): the most offload and the least keep any rank asked
-    for, in one collective (``all_reduce(MAX)`` of ``[level, -keep]``)."""
+def agree_plan(controller: OffloadController, level: int, keep: int, cap: int | None = None) -> tuple[int, int]:
+    """The plan every rank runs (``recompute="auto"``): the most offload (capped as :func:`agree` caps it) and
+    the least keep any rank asked for, in the same one collective."""
     settings = controller.settings
     if not settings.sync_ranks or settings.mode != "auto" or world_size() < 2:
         return level, keep
-    agreed, fewest_kept = all_reduce_max_values([level, -keep])
+    layers = len(controller.switch.layers) if controller.switch is not None else level
+    most, least_cap, fewest_kept = all_reduce_max(
+        [level, -(layers if cap is None else cap), -keep], controller.agreement
+    )
+    agreed = min(most, -least_cap)
     if agreed != level:
         _tell_policy(controller, agreed)
     return agreed, -fewest_kept
@@ -125,15 +159,16 @@ class RankPeak:
     world_size: int
 
 
-def worst_rank(fraction: float | None, enabled: bool = True) -> RankPeak | None:
+def worst_rank(fraction: float | None, enabled: bool = True, group: AgreementGroup | None = None) -> RankPeak | None:
     """Gather every rank's peak memory fraction (a collective) and return the worst; None when not distributed,
     not ``enabled``, or no rank had a reading."""
     size = world_size()
     if not enabled or size < 2:
         return None
-    mine = torch.tensor([-1.0 if fraction is None else fraction], dtype=torch.float64, device=collective_device())
+    device = collective_device() if group is None else group.device
+    mine = torch.tensor([-1.0 if fraction is None else fraction], dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
-    torch.distributed.all_gather(gathered, mine)
+    torch.distributed.all_gather(gathered, mine, group=None if group is None else group.group)
     readings = [float(value.item()) for value in gathered]
     rank = max(range(size), key=readings.__getitem__)
     return None if readings[rank] < 0 else RankPeak(readings[rank], rank, size)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .decide.activations import LayerShape
-from .settings import Settings, SettingsError
+from .settings import PAGE, Settings, SettingsError, parse_host_memory
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -62,12 +62,18 @@ class Estimate:
     dtype_bytes: int
     saved_bytes: int  # checkpointing keeps these on the device for the layer inputs
     freed_bytes: int  # offload moves all of them to the host
-    pinned_bytes: int  # torch's pinned allocator rounds each block up to a power of two
+    pinned_bytes: int  # per rank: one buffer per layer, rounded up to a 4 KiB page
     copy_bytes: int  # per step: device->host in the forward + host->device in the backward
     host_bandwidth_gbps: float
     copy_seconds: float
     host_available_bytes: int | None
-    host_fits: bool | None
+    host_fits: bool | None  # the node's pinned bytes (every rank's) fit the host's available memory
+    ranks_per_node: int
+    node_pinned_bytes: int
+    host_budget_bytes: int | None  # AUTOOFFLOAD_HOST_MEMORY for the node
+    budget_layers: int | None  # layers a rank may offload under that budget (its share)
+    pinnable_bytes: int | None  # RLIMIT_MEMLOCK where set; None: unlimited or unknown
+    pinnable_note: str
     device_memory_bytes: int | None
     device_memory_source: str  # "argument", "nvml" or "unknown"
     seq_high: int
@@ -98,15 +104,27 @@ def estimate(
     layer: LayerShape | None = None,
     other_memory_bytes: int = 0,
     memory_high: float | None = None,
+    ranks_per_node: int = 1,
+    host_budget_bytes: int | None = None,
+    pinnable_bytes: int | None = None,
+    pinnable_note: str = "",
 ) -> Estimate:
     """Pure arithmetic and the recommendation; reads nothing from the machine (the caller passes what it read).
 
     ``seq_high`` is the sequence length at which ``auto`` switches offload on (default: the Settings default).
     ``layer``: the layer's sizes for the keep figures (default: a Llama-style layer of this hidden size,
     intermediate 4 x hidden, heads of 128); ``memory_high`` defaults to the Settings default.
+    ``ranks_per_node`` processes share the host: the node needs that many times a rank's pinned bytes, and
+    each rank gets that share of ``host_budget_bytes`` (the node's budget, ``AUTOOFFLOAD_HOST_MEMORY``).
     """
     dtype = normalize_dtype(dtype)
-    for name, value in (("layers", layers), ("hidden", hidden), ("seq", seq), ("batch", batch)):
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("seq", seq),
+        ("batch", batch),
+        ("ranks", ranks_per_node),
+    ):
         _require_positive(name, value)
     if device_memory_bytes is not None:
         _require_positive("device memory", device_memory_bytes)
@@ -116,10 +134,23 @@ def estimate(
     dtype_bytes = DTYPE_BYTES[dtype]
     per_layer = batch * seq * hidden * dtype_bytes
     saved = layers * per_layer
-    pinned = layers * (1 << (per_layer - 1).bit_length())
+    per_buffer = -(-per_layer // PAGE) * PAGE
+    pinned = layers * per_buffer
+    node_pinned = ranks_per_node * pinned
     copy_bytes = 2 * saved
-    host_fits = None if host_available_bytes is None else pinned <= host_available_bytes
-    verdict, text = _recommend(saved, pinned, seq, seq_high, device_memory_bytes, host_available_bytes)
+    host_fits = None if host_available_bytes is None else node_pinned <= host_available_bytes
+    budget_layers = (
+        None if host_budget_bytes is None else min(layers, host_budget_bytes // ranks_per_node // per_buffer)
+    )
+    verdict, text = _recommend(saved, node_pinned, seq, seq_high, device_memory_bytes, host_available_bytes)
+    if verdict != "not-needed" and budget_layers is not None and budget_layers < layers:
+        text += (
+            f"; the host memory budget ({gib(host_budget_bytes)} for {ranks_per_node} rank(s), "
+            f"AUTOOFFLOAD_HOST_MEMORY) caps offload at {budget_layers} of {layers} layers"
+        )
+    if verdict != "not-needed" and pinnable_bytes is not None and pinned > pinnable_bytes:
+        text += f"; pinning stops at {gib(pinnable_bytes)} ({pinnable_note}): the rest goes to pageable memory"
+
     memory_high = Settings().memory_high if memory_high is None else memory_high
     if layer is None:
         heads = max(hidden // 128, 1)
@@ -145,6 +176,12 @@ def estimate(
         copy_seconds=copy_bytes / (host_bandwidth_gbps * 1e9),
         host_available_bytes=host_available_bytes,
         host_fits=host_fits,
+        ranks_per_node=ranks_per_node,
+        node_pinned_bytes=node_pinned,
+        host_budget_bytes=host_budget_bytes,
+        budget_layers=budget_layers,
+        pinnable_bytes=pinnable_bytes,
+        pinnable_note=pinnable_note,
         device_memory_bytes=device_memory_bytes,
         device_memory_source=device_memory_source if device_memory_bytes is not None else "unknown",
         seq_high=seq_high,
@@ -182,7 +219,10 @@ def _recommend(
         return "not-needed", f"offload not needed: seq {seq} < AUTOOFFLOAD_SEQ_HIGH={seq_high}, {against}"
     if host is not None and pinned > host:
         need, have = gib(pinned), gib(host)
-        return "host-too-small", f"host too small: offload needs {need} of pinned host memory, this host has {have}"
+        return (
+            "host-too-small",
+            f"host too small: offload needs {need} of pinned host memory on the node, it has {have}",
+        )
     return verdict, text
 
 
@@ -294,6 +334,44 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def host_total_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
+def host_budget(setting: str) -> int | None:
+    """The node's budget for ``AUTOOFFLOAD_HOST_MEMORY`` on this host (what the controller computes at start)."""
+    kind, value = parse_host_memory(setting)
+    if kind == "bytes":
+        return int(value)
+    base = host_available_bytes() if kind == "auto" else host_total_bytes()
+    return None if base is None else int(value * base)
+
+
+def pinnable_limit() -> tuple[int | None, str]:
+    """RLIMIT_MEMLOCK (``ulimit -l``) where it is set, and a note (WSL is recognised; its cap is not readable)."""
+    import platform
+
+    note = (
+        "WSL: pinned memory is capped near 1-2 GiB per process"
+        if "microsoft" in platform.uname().release.lower()
+        else ""
+    )
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, OSError, ValueError):
+        return None, note or "memlock limit unknown"
+    if soft == resource.RLIM_INFINITY:
+        return None, note or "memlock unlimited"
+    return int(soft), note or "memlock limit, ulimit -l"
+
+
 # ---- command line ---------------------------------------------------------------------------------------
 
 
@@ -360,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
         "about PCIe Gen4 x16 with pinned memory and conservative for Gen5; measure yours)",
     )
     parser.add_argument(
+        "--ranks-per-node",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="processes sharing this host (e.g. GPUs per node); the node's host memory is checked for all of them",
+    )
+    parser.add_argument(
         "--other-memory",
         type=_non_negative,
         default=0.0,
@@ -382,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden = options.hidden or hidden
         if layers is None or hidden is None:
             raise EstimateError("give a config.json or both --layers and --hidden")
+        settings = Settings.from_env()
+        pinnable, note = pinnable_limit()
         if options.device_memory is not None:
             device, source = round(options.device_memory * GIB), "argument"
         else:
@@ -403,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
             layer=layer,
             other_memory_bytes=round(options.other_memory * GIB),
             memory_high=settings.memory_high,
+            ranks_per_node=options.ranks_per_node,
+            host_budget_bytes=host_budget(settings.host_memory),
+            pinnable_bytes=pinnable,
+            pinnable_note=note,
         )
     except (EstimateError, SettingsError) as error:
         _print_error(str(error))
@@ -417,18 +508,26 @@ def render(result: Estimate) -> str:
         host = "host memory unknown"
     else:
         enough = "enough" if result.host_fits else "NOT enough"
-        host = f"this host has {gib(result.host_available_bytes)} available: {enough}"
+        host = f"the node has {gib(result.host_available_bytes)} available: {enough}"
     if result.device_memory_bytes is None:
         device = "unknown (no --device-memory, no GPU readable through NVML)"
     else:
         share = f"{result.saved_bytes / result.device_memory_bytes:.1%}"
         device = f"{gib(result.device_memory_bytes)} ({result.device_memory_source}); saved inputs are {share} of it"
     per_layer = gib(result.pinned_bytes // result.layers)
+    budget = "unknown" if result.host_budget_bytes is None else gib(result.host_budget_bytes)
+    budget_note = "AUTOOFFLOAD_HOST_MEMORY"
+    if result.budget_layers is not None:
+        budget_note += f"; fits {result.budget_layers} of {result.layers} layers per rank"
+    pinnable = "no limit read" if result.pinnable_bytes is None else gib(result.pinnable_bytes)
     bandwidth = f"{result.host_bandwidth_gbps:g} GB/s"
     rows = [
         ("saved layer inputs on device", gib(result.saved_bytes), "layers x batch x seq x hidden x dtype-bytes"),
         ("freed on device by offload", gib(result.freed_bytes), "every checkpointed layer offloaded"),
-        ("pinned host memory needed", gib(result.pinned_bytes), f"{result.layers} x {per_layer}; {host}"),
+        ("pinned host memory per rank", gib(result.pinned_bytes), f"{result.layers} x {per_layer}"),
+        ("pinned host memory, node", gib(result.node_pinned_bytes), f"{result.ranks_per_node} rank(s); {host}"),
+        ("host memory budget, node", budget, budget_note),
+        ("pinnable per process", pinnable, result.pinnable_note),
         ("copy volume per step", gib(result.copy_bytes), "device->host in forward + host->device in backward"),
         ("copy time per step", seconds(result.copy_seconds), f"at {bandwidth}; on the compute stream, so it adds"),
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ MODES = ("auto", "on", "off")
 ENGINES = ("sync", "stream")
 POLICIES = ("predictive", "hysteresis")
 RECOMPUTES = ("always", "auto")
+DEFAULT_HOST_SHARE = 0.5  # of the host memory available at start, for the node: AUTOOFFLOAD_HOST_MEMORY=auto
+PAGE = 4096
 
 
 class SettingsError(ValueError):
@@ -46,6 +49,9 @@ class Settings:
     ``recompute``: ``"always"`` (every checkpointed layer recomputes its forward in the backward, as plain
     checkpointing does) or ``"auto"`` (in ``auto`` mode, the last checkpointed layers may run without
     checkpointing, their activations kept, when the predicted peak leaves room: :mod:`autooffload.decide.ladder`).
+    ``host_memory``: the host memory offload may hold on this node, shared by its ranks (``LOCAL_WORLD_SIZE``):
+    a fraction of host RAM (``"0.5"``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``, half of the host
+    memory available at start. Every level is capped at what fits (:mod:`autooffload.apply.host_memory`).
     """
 
     mode: str = "auto"
@@ -60,6 +66,7 @@ class Settings:
     rescue: bool = True
     sync_ranks: bool = True
     recompute: str = "always"
+    host_memory: str = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -125,6 +132,47 @@ def offload_mode(value: Any) -> str | None:
     raise SettingsError(f"checkpointing kwarg offload={value!r} is not one of True, False, 'auto'")
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+
+
+def parse_host_memory(text: str) -> tuple[str, float]:
+    """``"auto"``, a fraction of host RAM in (0, 1] (``"0.5"``) or a size (``"64GiB"``, ``"512MiB"``, ``"8GB"``).
+
+    Returns ``("auto", DEFAULT_HOST_SHARE)``, ``("fraction", f)`` or ``("bytes", n)``; ValueError otherwise.
+    """
+    text = text.strip().lower()
+    if text == "auto":
+        return "auto", DEFAULT_HOST_SHARE
+    match = _SIZE.match(text)
+    if match is None or match.group(2) not in _UNITS:
+        raise ValueError(text)
+    number, unit = float(match.group(1)), match.group(2)
+    if unit == "":
+        if not 0.0 < number <= 1.0:
+            raise ValueError(text)
+        return "fraction", number
+    size = number * _UNITS[unit]
+    if size < PAGE:
+        raise ValueError(text)
+    return "bytes", size
+
+
 def _env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
@@ -148,6 +196,14 @@ def _parse(key: str, raw: str, kind: type) -> Any:
     return text.lower()
 
 
+def _host_memory_ok(value: str) -> bool:
+    try:
+        parse_host_memory(value)
+    except ValueError:
+        return False
+    return True
+
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -164,6 +220,7 @@ _ALLOWED = {
     "min_steps": ("an integer >= 0", lambda v: v >= 0),
     "compile_max_switches": ("an integer >= 0", lambda v: v >= 0),
     "sync_ranks": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
+    "host_memory": ("'auto', a fraction of host RAM in (0, 1] or a size such as 64GiB or 512MiB", _host_memory_ok),
 }
 
 

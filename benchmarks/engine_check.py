@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from autooffload import AutoOffloadWarning, OffloadController, Settings
-from autooffload.apply.stream_engine import host_memory
+from autooffload.apply.host_memory import host_memory
 
 ENGINES = ("sync", "stream")
 TIMING_SHAPES = [(8, 1024, 8192), (16, 1024, 16384), (28, 2048, 32768), (28, 2048, 65536)]

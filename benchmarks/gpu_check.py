@@ -114,7 +114,9 @@ def part_mixed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     model = bench.build_model(plan, *plan.mixed_shape, max(plan.mixed_lengths))
     mixed = bench.measure_mixed(model, plan, bench.Clock(budget_s))
     summary = mixed["summary"]
-    verdicts = {"auto_not_slower_than_always": summary["auto"]["total_s"] <= summary["always"]["total_s"] * 1.02}
+    verdicts = {}
+    if device.startswith("cuda"):  # on a CPU the copies cost nothing and the times are noise
+        verdicts["auto_not_slower_than_always"] = summary["auto"]["total_s"] <= summary["always"]["total_s"] * 1.02
     for name, row in summary.items():
         emit(f"mixed: {name}: {row['total_s']:.2f} s, ratio {row['ratio']:.3f}, offloaded {row['steps_offloaded']}")
     return {"mixed": mixed, "verdicts": verdicts}

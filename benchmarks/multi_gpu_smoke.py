@@ -75,7 +75,7 @@ def part_fsdp2(device: str, out: Path) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 
     from autooffload import AutoOffloadWarning, OffloadController, Settings
-    from autooffload.distributed import all_reduce_max, collective_device
+    from autooffload.distributed import all_reduce_max
 
     size, (seq_high, seq_low) = SIZES[device], THRESHOLDS[device]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -118,7 +118,7 @@ def part_fsdp2(device: str, out: Path) -> dict:
     emit(f"fsdp2: attached={attached}, {len(controller.switch.layers) if attached else 0} layers via {targets}")
     model.train()
     rows = train_loop(model, optimizer, controller, size, dtype, run_device)
-    agreement = time_agreement(all_reduce_max, collective_device())
+    agreement = time_agreement(all_reduce_max, controller.agreement)
     emit(f"fsdp2: agreement collective on {agreement['device']}: median {agreement['median_us']:.1f} us per call")
     summary = controller.finish()
     emit(f"fsdp2: {summary}")
@@ -185,16 +185,20 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def time_agreement(all_reduce_max, device, calls: int = 300) -> dict:
+def time_agreement(all_reduce_max, group, calls: int = 300) -> dict:
+    """The agreement as the controller makes it: over its group (a gloo side group under NCCL)."""
     import statistics
 
+    from autooffload.distributed import collective_device
+
     for _ in range(20):
-        all_reduce_max(1)
+        all_reduce_max([1, -1], group)
     times = []
     for index in range(calls):
         start = time.perf_counter()
-        all_reduce_max(index % 3)
+        all_reduce_max([index % 3, -1], group)
         times.append(time.perf_counter() - start)
+    device = collective_device() if group is None else group.device
     return {"device": str(device), "calls": calls, "median_us": statistics.median(times) * 1e6}
 
 

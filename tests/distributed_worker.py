@@ -5,9 +5,13 @@ writes ``OUT/rank{N}.json``; the parent test asserts on the files. At every step
 micro-batch and the other a short one (``LENGTHS``), so only an agreement makes both offload together.
 
 - ``trainer_ddp``: Trainer with ``use_cpu=True, ddp_backend="gloo"``, transformers' checkpointing.
+- ``zero2`` / ``zero3``: Trainer under DeepSpeed ZeRO-2 / ZeRO-3 (its CPU accelerator, gloo), three runs in one
+  process group: with ``attach(trainer)`` (saving a DeepSpeed checkpoint at step 2), without autooffload, and
+  resumed from that checkpoint with the callback.
 - ``fsdp2``: a raw loop over a ``fully_shard`` model whose layers are wrapped the way accelerate's FSDP2
   ``activation_checkpointing`` wraps them (``checkpoint_wrapper(layer, preserve_rng_state=False)``), trained
-  twice: with the agreement and without it.
+  three times: with the agreement, without it, and with the agreement over a gloo side group (the default
+  group is gloo here too, so the backend check is told it is not, as it would be under NCCL).
 """
 
 from __future__ import annotations
@@ -47,13 +51,14 @@ class RecordingPolicy(HysteresisPolicy):
 
 
 def count_collectives() -> list[int]:
-    """Count the agreement collectives this process makes."""
-    calls = [0]
+    """Count the agreement collectives this process makes; ``calls[1]``: those over a gloo side group."""
+    calls = [0, 0]
     real = autooffload_distributed.all_reduce_max
 
-    def counting(value: int) -> int:
+    def counting(values: list[int], group=None) -> list[int]:
         calls[0] += 1
-        return real(value)
+        calls[1] += int(group is not None and group.side)
+        return real(values, group)
 
     autooffload_distributed.all_reduce_max = counting
     return calls
@@ -175,6 +180,139 @@ def trainer_ddp(rank: int, out: Path) -> dict:
     }
 
 
+# ---- Trainer, DeepSpeed ZeRO ------------------------------------------------------------------------------
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def gathered_digest(model: torch.nn.Module) -> tuple[str, bool]:
+    """Digest of the full parameters (gathered from every rank's shard under ZeRO-3; a collective), and
+    whether this rank held only a shard of every parameter."""
+    import deepspeed
+
+    parameters = [parameter for _, parameter in sorted(model.named_parameters())]
+    sharded = all(getattr(p, "ds_tensor", None) is not None and p.ds_tensor.numel() < p.ds_numel for p in parameters)
+    with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
+        return parameter_digest(model), sharded
+
+
+def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = None) -> dict:
+    """One Trainer run under ZeRO-``stage``: ``autooffload`` is "attach", "callback" or "none"."""
+    import warnings
+
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from autooffload import AutoOffloadWarning, attach
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    class Record(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.step_bytes: list[int] = []
+            self.controller: OffloadController | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.controller is not None:
+                self.step_bytes.append(self.controller.last_step_bytes)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    lengths = [length for pair in LENGTHS for length in pair]
+    # No ``offload`` key: the run without autooffload must checkpoint plainly on every transformers release.
+    plain_checkpointing = {
+        k: {"use_reentrant": False} if k.endswith("_kwargs") else v for k, v in checkpointing_arguments().items()
+    }
+    config = {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }
+    args = TrainingArguments(
+        output_dir=str(out / f"zero{stage}"),
+        per_device_train_batch_size=1,
+        max_steps=len(LENGTHS),
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="steps" if autooffload == "attach" else "no",
+        save_steps=2,
+        use_cpu=True,
+        deepspeed=config,
+        ddp_timeout=int(TIMEOUT.total_seconds()),
+        disable_tqdm=True,
+        seed=0,
+        **plain_checkpointing,
+    )
+    record = Record()
+    policy = RecordingPolicy()
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    probe = ScriptedProbe([0.30 + 0.20 * rank()])
+    calls = count_collectives()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        callbacks = [AutoOffloadCallback(probe=probe, policy=policy)] if autooffload == "callback" else []
+        dataset = MixedLengths(lengths, VOCAB)
+        trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+        if autooffload == "attach":
+            attach(trainer, probe=probe, policy=policy)
+        trainer.add_callback(record)  # after autooffload's: a step's bytes are read once its step has closed
+        ours = next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+        levels = record_levels(ours.controller) if ours is not None else []
+        record.controller = ours.controller if ours is not None else None
+        trainer.train(resume_from_checkpoint=resume)
+    digest, sharded = gathered_digest(model)
+    result = {
+        "losses": record.losses,
+        "parameters": digest,
+        "sharded": sharded,
+        "engine": type(trainer.model_wrapped).__name__,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+    }
+    if ours is not None:
+        result.update(
+            rescue_wrapped=bool(getattr(trainer.training_step, "_autooffload_rescue", False)),
+            rescue_setting=ours.controller.settings.rescue,
+            levels=levels,
+            local=policy.local,
+            step_bytes=record.step_bytes,
+            collectives=calls[0],
+            state=ours.controller.state_dict(),
+        )
+    return result
+
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def deepspeed_zero(stage: int, out: Path) -> dict:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    result = {"attach": deepspeed_run(stage, out, "attach")}
+    result["none"] = deepspeed_run(stage, out, "none")
+    checkpoint = get_last_checkpoint(str(out / f"zero{stage}"))
+    result["checkpoint"] = Path(checkpoint).name if checkpoint else None
+    checkpoint = str(out / f"zero{stage}" / "checkpoint-2")
+    result["resumed"] = deepspeed_run(stage, out, "callback", resume=checkpoint)
+    result["world_size"] = torch.distributed.get_world_size()
+    return result
+
+
 # ---- raw FSDP2 -------------------------------------------------------------------------------------------
 
 
@@ -246,15 +384,26 @@ def fsdp2(rank: int, out: Path) -> dict:
     synced["collectives"] = calls[0]
     alone = fsdp2_run(rank, sync=False)
     alone["collectives"] = calls[0] - synced["collectives"]
+    autooffload_distributed.takes_cpu_tensors = lambda: False
+    side = fsdp2_run(rank, sync=True)
+    side["collectives"] = calls[0] - synced["collectives"] - alone["collectives"]
+    side["side_collectives"] = calls[1]
     keep = fsdp2_keep_run(rank)
-    return {"world_size": torch.distributed.get_world_size(), "synced": synced, "alone": alone, "keep": keep}
+    result = {"synced": synced, "alone": alone, "side": side, "keep": keep}
+    return {"world_size": torch.distributed.get_world_size(), **result}
 
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
-    result = {"trainer_ddp": trainer_ddp, "fsdp2": fsdp2}[scenario](rank, out)
+    scenarios = {
+        "trainer_ddp": trainer_ddp,
+        "fsdp2": fsdp2,
+        "zero2": lambda rank, out: deepspeed_zero(2, out),
+        "zero3": lambda rank, out: deepspeed_zero(3, out),
+    }
+    result = scenarios[scenario](rank, out)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

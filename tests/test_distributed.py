@@ -2,15 +2,22 @@
 
 The two-process tests start ``tests/distributed_worker.py`` through torchrun (``--standalone``: a free port),
 bound it in time, kill its whole process group if it overruns, and assert here on the JSON each rank wrote.
+DeepSpeed compiles a small C++ communication op on first use (about 45 s): it is cached in
+``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache/autooffload``, so that happens once per machine and
+environment.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +28,17 @@ from distributed_worker import LAYERS as WORKER_LAYERS
 
 from autooffload import AutoOffloadCallback, HysteresisPolicy, OffloadController, Settings, SettingsError, distributed
 from autooffload.distributed import RankPeak
+from autooffload.history import read_history
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 180
+DEEPSPEED_TIMEOUT_S = 300  # three Trainer runs on a busy machine
+BUILD_TIMEOUT_S = 600  # DeepSpeed's communication op, built once: about 45 s idle, minutes on a loaded machine
+# One build directory per Python environment: a build made against another environment's torch headers is
+# rebuilt, so the two environments of ./dev test would otherwise rebuild each other's op on every run.
+TORCH_EXTENSIONS_DIR = (
+    Path.home() / ".cache" / "autooffload" / "torch_extensions" / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+)
 
 needs_gloo = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
@@ -67,12 +82,18 @@ def fake_group(monkeypatch, group_level: int) -> list[int]:
     """Two ranks, the other one asking for ``group_level``; returns the values this rank sent."""
     sent: list[int] = []
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(distributed, "all_reduce_max", lambda value: sent.append(value) or max(value, group_level))
+
+    def group(values, group=None):
+        level, cap = values
+        sent.append(level)
+        return [max(level, group_level), cap]
+
+    monkeypatch.setattr(distributed, "all_reduce_max", group)
     return sent
 
 
 def test_without_a_process_group_no_collective_is_made(monkeypatch):
-    def no_collective(value):
+    def no_collective(values, group=None):
         raise AssertionError("collective without a process group")
 
     monkeypatch.setattr(distributed, "all_reduce_max", no_collective)
@@ -96,7 +117,7 @@ def test_the_group_level_runs_and_the_policy_follows_it(monkeypatch, name):
     assert (policy.offloading, policy.last_switch_step) == (True, 0)
     controller.end_step()
 
-    monkeypatch.setattr(distributed, "all_reduce_max", lambda value: sent.append(value) or value)
+    monkeypatch.setattr(distributed, "all_reduce_max", lambda values, group=None: sent.append(values[0]) or values)
     assert controller.before_forward(64, 64) == LAYERS  # inside the dwell: still on, now by its own decision
     controller.end_step()
     controller.end_step()
@@ -127,6 +148,18 @@ def test_a_policy_without_agreed_keeps_its_own_state(monkeypatch):
     assert controller.before_forward(64, 64) == LAYERS
 
 
+def test_the_group_runs_the_smallest_host_cap(monkeypatch):
+    sent: list[list[int]] = []
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    # The other rank asks for no offload, but its host budget holds only one layer's input.
+    monkeypatch.setattr(
+        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], -1]
+    )
+    controller = attached(Settings(seq_high=200, seq_low=100, policy="hysteresis"))
+    assert controller.before_forward(256, 256) == 1
+    assert sent == [[LAYERS, -LAYERS]]  # this rank: all layers, and its budget (the default) holds them all
+
+
 def test_summary_names_the_worst_rank():
     controller = attached(Settings(mode="on"))
     controller.peak_memory_fraction = 0.42
@@ -137,23 +170,34 @@ def test_summary_names_the_worst_rank():
 # ---- two processes, gloo ---------------------------------------------------------------------------------
 
 
-def run_ranks(scenario: str, out: Path) -> list[dict]:
-    """Run the worker on two ranks; kill its whole process group if it overruns; return each rank's JSON."""
+def worker_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOOFFLOAD_", "ACCELERATE_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(TESTS / "distributed_worker.py"), scenario, str(out)]
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
+    return env
+
+
+def run_bounded(command: list[str], env: dict[str, str], timeout_s: int, what: str) -> str:
+    """Run ``command``; kill its whole process group if it overruns; fail unless it exits 0. Returns its output."""
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
+        output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"{scenario} did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
+        pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-4000:]}")
     assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def run_ranks(scenario: str, out: Path, timeout_s: int = TIMEOUT_S) -> list[dict]:
+    """Run the worker on two ranks; kill its whole process group if it overruns; return each rank's JSON."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(TESTS / "distributed_worker.py"), scenario, str(out)]
+    run_bounded(command, worker_environment(), timeout_s, scenario)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -190,6 +234,17 @@ def test_trainer_ddp_ranks_switch_together(tmp_path):
     (summary,) = ranks[0]["summaries"]
     assert summary.endswith("peak memory 0.30 of device, worst of 2 ranks: rank 1 at 0.50")
     assert ranks[1]["summaries"] == []
+    # Each rank writes its own history; a level taken from the group is marked as such.
+    reasons = [
+        ["below_high", "seq_high", "below_low", "rank_agreement"],
+        ["below_high", "rank_agreement", "below_low", "seq_high"],
+    ]
+    for rank in range(2):
+        records = read_history(tmp_path / "trainer" / "autooffload" / f"history-rank{rank}.jsonl")
+        assert [r["seq_lens"] for r in records] == [[pair[rank]] for pair in LENGTHS]
+        assert [r["offloaded"] for r in records] == [[0], [every], [0], [every]]
+        assert [r["reasons"] for r in records] == [[reason] for reason in reasons[rank]]
+    assert not (tmp_path / "trainer" / "autooffload" / "history.jsonl").exists()
 
 
 @needs_gloo
@@ -212,5 +267,85 @@ def test_fsdp2_ranks_switch_together_and_losses_equal_one_process(tmp_path):
         # its readings covered, so the group keeps nothing; at step 2 both keep every layer.
         assert ranks[rank]["keep"]["kept"] == [0, 0, every, 0]
         assert ranks[rank]["keep"]["losses"] == pytest.approx([pair[rank] for pair in reference], rel=1e-5)
+        # Over a gloo side group made at attach: the same levels and the same losses, every collective on it.
+        side = result["side"]
+        assert side["levels"] == synced["levels"] and side["step_bytes"] == synced["step_bytes"]
+        assert side["collectives"] == side["side_collectives"] == len(LENGTHS)
+        assert side["losses"] == synced["losses"]
     assert [level for _, level in ranks[0]["alone"]["levels"]] == [0, every, 0, 0]
     assert [level for _, level in ranks[1]["alone"]["levels"]] == [0, 0, 0, every]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_comm_op() -> None:
+    """Build DeepSpeed's communication op once, in one process, before any rank needs it.
+
+    torch guards a build with a lock file that a killed build leaves behind, and every later build then waits
+    on it forever. Builds started here hold an ``flock`` (released when its holder dies, so two test sessions
+    never build at once), under which a lock file older than a no-op rebuild can be is such a leftover.
+    """
+    env = worker_environment()
+    extensions = Path(env["TORCH_EXTENSIONS_DIR"])
+    extensions.mkdir(parents=True, exist_ok=True)
+    with open(extensions / "autooffload-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for stale in extensions.glob("*/lock"):
+            if time.time() - stale.stat().st_mtime > 30:
+                stale.unlink()
+        command = [
+            sys.executable,
+            "-c",
+            "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None",
+        ]
+        output = run_bounded(command, env, BUILD_TIMEOUT_S, "building DeepSpeed's communication op")
+        assert "built successfully" in output, output[-4000:]
+
+
+@needs_gloo
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (./dev installs it)"
+)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_trainer(tmp_path, stage, deepspeed_comm_op):
+    """Trainer under ZeRO-2/3, two gloo ranks, one long micro-batch and one short at each step. Three runs in
+    one process group: with ``attach(trainer)`` (saving at step 2), without autooffload, and resumed from the
+    DeepSpeed checkpoint of step 2 with the callback."""
+    ranks = run_ranks(f"zero{stage}", tmp_path, DEEPSPEED_TIMEOUT_S)
+    every = WORKER_LAYERS
+    for rank, result in enumerate(ranks):
+        attached, plain, resumed = result["attach"], result["none"], result["resumed"]
+        assert result["world_size"] == 2
+        assert {run["engine"] for run in (attached, plain, resumed)} == {"DeepSpeedEngine"}
+        # ZeRO-3 shards every parameter across the ranks; ZeRO-2 keeps whole ones.
+        assert attached["sharded"] is (stage == 3)
+        # The ranks agree: both offload at the steps where either has the long micro-batch.
+        assert [seq for seq, _ in attached["levels"]] == [pair[rank] for pair in LENGTHS]
+        assert [level for _, level in attached["levels"]] == [0, every, 0, every]
+        assert attached["collectives"] == len(LENGTHS)
+        assert attached["step_bytes"] == moved(rank, [0, every, 0, every])
+        # Losses and final parameters are those of the run without autooffload (bit for bit on a CPU).
+        assert attached["losses"] == plain["losses"]
+        assert attached["parameters"] == plain["parameters"]
+        # Resumed at step 2: the controller goes on where it was (level, dwell, switches, step) and the run
+        # ends as the uninterrupted one did.
+        assert [level for _, level in resumed["levels"]] == [0, every]
+        assert resumed["step_bytes"] == moved(rank, [0, every, 0, every])[2:]
+        assert resumed["losses"] == plain["losses"][2:]
+        assert resumed["parameters"] == plain["parameters"]
+
+        # Trainer saves rank 0's callback state, so a resumed rank 1 counts its moved bytes from rank 0's. The
+        # first run saved a checkpoint after step 2, so its step-3 reading is no sample and the hysteresis need
+        # stays step 2's; the resumed run saved nothing there. The levels above are the same either way.
+        def comparable(state):
+            policy = {k: v for k, v in state["policy"].items() if k != "need"}
+            return {**{k: v for k, v in state.items() if k != "total_bytes"}, "policy": policy}
+
+        assert comparable(resumed["state"]) == comparable(attached["state"])
+        # attach() under DeepSpeed: no rescue (a rerun is not safe there), said once; the callback alone says
+        # nothing.
+        assert attached["rescue_wrapped"] is False and attached["rescue_setting"] is True
+        assert len(attached["warnings"]) == 1
+        assert "out-of-memory steps are not rescued: under DeepSpeed" in attached["warnings"][0]
+        assert resumed["warnings"] == []
+    assert ranks[0]["attach"]["local"] == [0, every, 0, 0] and ranks[1]["attach"]["local"] == [0, 0, 0, every]
+    assert ranks[0]["resumed"]["state"]["total_bytes"] == ranks[0]["attach"]["state"]["total_bytes"]

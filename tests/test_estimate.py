@@ -81,10 +81,29 @@ def test_dtype_sets_the_bytes_per_value(dtype, bytes_per_value):
     assert result.saved_bytes == 2 * 3 * 16 * 8 * bytes_per_value
 
 
-def test_pinned_memory_is_rounded_up_per_layer_like_torchs_pinned_allocator():
+def test_pinned_memory_is_one_page_rounded_buffer_per_layer_not_a_power_of_two():
     result = est.estimate(layers=3, hidden=3, seq=5, dtype="fp32")  # 60 bytes per layer
     assert result.saved_bytes == 180
-    assert result.pinned_bytes == 3 * 64
+    assert result.pinned_bytes == 3 * 4096
+    result = est.estimate(layers=2, hidden=3000, seq=1000, dtype="fp32")  # 12,000,000 bytes per layer
+    assert result.pinned_bytes == 2 * 12_001_280  # torch's pinned allocator: 2 x 16 MiB
+
+
+def test_ranks_per_node_check_the_node_and_the_budget_caps_the_layers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(est, "pinnable_limit", lambda: (2 * GIB, "memlock limit, ulimit -l"))
+    monkeypatch.setenv("AUTOOFFLOAD_HOST_MEMORY", "96GiB")
+    argv = [str(qwen3_8b(tmp_path)), "--seq", "131072", "--device-memory", "80", "--json"]
+    one = json.loads(run(argv, capsys)[1])
+    assert (one["node_pinned_bytes"], one["host_fits"], one["budget_layers"]) == (36 * GIB, True, 36)
+    code, out, _ = run([*argv, "--ranks-per-node", "8"], capsys)
+    eight = json.loads(out)
+    assert code == 0 and eight["node_pinned_bytes"] == 8 * 36 * GIB and eight["host_fits"] is False
+    assert eight["verdict"] == "host-too-small" and eight["budget_layers"] == 12  # 96 GiB / 8 ranks / 1 GiB
+    assert "caps offload at 12 of 36 layers" in eight["recommendation"]
+    assert eight["pinnable_bytes"] == 2 * GIB and "pinning stops at 2.00 GiB" in eight["recommendation"]
+    table = run([*argv[:-1], "--ranks-per-node", "8"], capsys)[1]
+    assert "pinned host memory, node       288.00 GiB  8 rank(s)" in table
+    assert "fits 12 of 36 layers per rank" in table and "pinnable per process" in table
 
 
 def test_multimodal_config_reads_the_text_model(tmp_path):

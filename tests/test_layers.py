@@ -390,3 +390,29 @@ def test_a_vlm_first_guess_of_bytes_per_layer_uses_the_text_config():
     assert controller.layer_token_bytes == HIDDEN * 4
     assert len(controller.switch.layers) == LAYERS
     controller.detach()
+
+
+class Outer(torch.nn.Module):
+    """The attached model; some code calls its inner model directly (TRL's Liger-loss paths call ``model.model``
+    for the last hidden states), so the attached model's pre-forward hook does not run for that forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = remote_model()
+
+    def forward(self, input_ids):
+        return self.inner(input_ids=input_ids)
+
+
+def test_a_container_called_without_the_attached_model_still_counts_its_calls_from_layer_zero():
+    outer = Outer()
+    outer.inner.gradient_checkpointing_enable()
+    outer.train()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(outer)
+    ids = torch.randint(0, VOCAB, (1, 32))
+    for _ in range(2):
+        outer.inner(input_ids=ids).logits.sum().backward()
+        controller.end_step()
+        assert controller.last_step_bytes == LAYERS * layer_bytes(32)
+    controller.detach()

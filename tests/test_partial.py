@@ -2,7 +2,7 @@
 
 The tiny Qwen3 has 4 checkpointed layers of hidden 64 in fp32: one layer's saved input is 256 bytes per token.
 The probe says a step peaks at 1 MiB + tokens x (4 x 256 + 512) bytes, less 256 x tokens per offloaded layer
-(at most 3 count: the last layer's input is back for its recompute when the backward starts), on a device of
+(the peak at the end of the forward, where every offloaded input is gone), on a device of
 2,048,000 bytes with memory_high 0.8: 1,638,400 bytes. A 512-token micro-batch then needs 1,835,008 bytes,
 196,608 over: 1.5 layers of 131,072, so exactly 2 layers must offload.
 """
@@ -22,7 +22,7 @@ STATIC, WORK, TOTAL, HIGH = 2**20, 2 * PER_TOKEN, 2_048_000, 0.8
 
 
 def arithmetic_peak(tokens: int, level: int) -> int:
-    return STATIC + tokens * (LAYERS * PER_TOKEN + WORK) - min(level, LAYERS - 1) * PER_TOKEN * tokens
+    return STATIC + tokens * (LAYERS * PER_TOKEN + WORK) - min(level, LAYERS) * PER_TOKEN * tokens
 
 
 class ArithmeticProbe:
@@ -51,7 +51,7 @@ class ArithmeticProbe:
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_long_micro_batch_gets_the_predicted_layers_in_its_own_forward(tmp_path, accumulation):
-    lengths = [64, 96, 128, 64, 96, 128, 64, 512, 64, 96]
+    lengths = [64, 320, 96, 64, 320, 96, 64, 512, 64, 96]
     probe = ArithmeticProbe()
     callback = AutoOffloadCallback(memory_high=HIGH, memory_low=0.5, probe=probe)
     probe.watch(callback.controller)
@@ -67,14 +67,21 @@ def test_a_long_micro_batch_gets_the_predicted_layers_in_its_own_forward(tmp_pat
         callbacks=[callback, Record()],
         steps=len(lengths) // accumulation,
         gradient_accumulation_steps=accumulation,
+        optim="sgd",  # the probe's constant holds the optimizer state; plain SGD has none still to come
     )
     excess = arithmetic_peak(512, 0) - HIGH * TOTAL
     predicted = math.ceil(excess / (PER_TOKEN * 512))
     assert predicted == 2
-    assert probe.decisions == [(seq, predicted if seq == 512 else 0) for seq in lengths]
+    # The first 320 is far beyond the one length seen (with accumulation 2 no reading exists yet): the model's
+    # seed (logits, a layer's working set) plans it conservatively, or nothing does. Once seen, lengths are
+    # exact, and 512 lies within the span of those seen: the fitted slope plans exactly the layers the
+    # arithmetic needs, in its own forward.
+    first_long = probe.decisions[1]
+    assert first_long == (320, LAYERS if accumulation == 1 else 0)
+    assert probe.decisions[2:] == [(seq, predicted if seq == 512 else 0) for seq in lengths[2:]]
     long_step = lengths.index(512) // accumulation
     assert moved[long_step] == expected_bytes(512, layers=predicted)
-    assert sum(moved) == moved[long_step]
+    assert sum(moved) == moved[long_step] + moved[1 // accumulation]
     assert callback.controller.layer_token_bytes == PER_TOKEN
 
 

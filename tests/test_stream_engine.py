@@ -13,7 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from autooffload import AutoOffloadWarning, OffloadController, OffloadStats, Settings
-from autooffload.apply.stream_engine import HostPool, StreamEngine, size_class
+from autooffload.apply.host_memory import HostMemory
+from autooffload.apply.stream_engine import HostPool, StreamEngine
 from autooffload.apply.switch import CheckpointSwitch, find_targets
 
 BATCH, SEQ = 2, 32
@@ -30,7 +31,7 @@ class Recorder:
         self.host: set[int] = set()
         self._watched: dict[int, StorageWeakRef] = {}
 
-    def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+    def allocate(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.host.add(buffer.data_ptr())
         return buffer
@@ -111,10 +112,10 @@ class Recorder:
         return i, self.log[i][2]
 
 
-def recording_engine(stats: OffloadStats | None = None, **pool_args) -> tuple[StreamEngine, Recorder]:
+def recording_engine(stats: OffloadStats | None = None, **host_args) -> tuple[StreamEngine, Recorder]:
     recorder = Recorder()
-    pool_args.setdefault("memory", lambda: (1 << 40, 1 << 41))
-    pool = HostPool(allocate=recorder.allocate, **pool_args)
+    host_args.setdefault("memory", lambda: (1 << 40, 1 << 41))
+    pool = HostPool(HostMemory(pin=False, allocate=recorder.allocate, **host_args))
     return StreamEngine(stats or OffloadStats(), streams=recorder, pool=pool), recorder
 
 
@@ -399,32 +400,6 @@ def test_host_short_keeps_tensors_on_the_device_with_one_warning(plain_run):
     assert recorder.copies("d2h") == [] and engine.stats.total_bytes == 0
 
 
-def test_failed_pinning_falls_back_to_pageable_memory_with_one_warning():
-    def allocate(nbytes, pin):
-        if pin:
-            raise RuntimeError("cudaHostAlloc: out of memory")
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    pool = HostPool(allocate=allocate, memory=lambda: (1 << 40, 1 << 41), pin=True)
-    cuda = torch.device("cuda", 0)
-    with pytest.warns(AutoOffloadWarning, match="pageable") as caught:
-        buffer, key = pool.take(3000, cuda)
-        pool.take(5000, cuda)
-    assert len(caught) == 1
-    assert key == (cuda, False, 4096) and buffer.numel() == 4096
-    pool.give(buffer, key)
-    assert pool.take(4000, cuda)[0] is buffer
-    assert pool.allocations == 2
-
-
-def test_pool_counts_what_pinning_takes_against_the_host():
-    assert [size_class(n) for n in (1, 1024, 1025, 3 * 2**20)] == [1, 1024, 2048, 4 * 2**20]
-    pool = HostPool(allocate=lambda n, pin: torch.empty(n, dtype=torch.uint8), memory=lambda: (10_000, 40_000))
-    assert pool.take(4096, torch.device("cpu")) is not None  # 4000 bytes (10%) must stay free
-    with pytest.warns(AutoOffloadWarning, match="host memory is short"):
-        assert pool.take(5000, torch.device("cpu")) is None  # 5000 would fit; the 8192 pinning takes would not
-
-
 class Fixed:
     def __init__(self, layers: int) -> None:
         self.layers = layers
@@ -463,3 +438,47 @@ def test_each_forward_is_its_own_prefetch_chain():
     assert [c for c, source in fetched if source in held_by_a and c < at["backward A"]] == []
     assert {source for c, source in fetched if c > at["backward A"]} == held_by_a
     assert controller.stats.total_bytes == 2 * 2 * layer_bytes()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed, "fsdp"), reason="torch built without distributed")
+def test_fsdp2_parameters_without_a_plain_storage_do_not_stop_the_stream_engine(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    reference = train_steps(enable_checkpointing(model()), 2)[0]
+    net = enable_checkpointing(model())
+    for layer in net.model.layers:
+        fully_shard(layer)
+    fully_shard(net)  # parameters are DTensors now: no storage a data pointer can be read from
+    controller = OffloadController(Settings(mode="on", engine="stream"), probe=None)
+    assert controller.attach(net)
+    losses = train_steps(net, 2, on_step=lambda what: what == "step" and controller.end_step())[0]
+    assert losses == pytest.approx(reference, abs=1e-6)
+    assert controller.last_step_bytes == (LAYERS - 1) * layer_bytes()
+    controller.detach()
+
+
+def test_a_parameter_block_freed_after_construction_is_not_skipped_when_an_activation_gets_it():
+    memory = bytearray(64 * 64 * 4)  # stands in for a block the caching allocator hands out again
+
+    def block() -> torch.Tensor:
+        return torch.frombuffer(memory, dtype=torch.float32).view(64, 64)
+
+    module = torch.nn.Linear(64, 64, bias=False)
+    module.weight = torch.nn.Parameter(block())
+    engine = StreamEngine(OffloadStats(), modules=[module])
+    assert not engine.offloadable(module.weight.detach())
+    module.to(torch.float64)  # cast after attach: the parameter lives elsewhere, its old block is free
+    activation = block()
+    assert activation.untyped_storage().data_ptr() not in {p.untyped_storage().data_ptr() for p in module.parameters()}
+    assert engine.offloadable(activation)
+    engine.begin_forward()  # the controller calls it before every training forward
+    assert not engine.offloadable(module.weight.detach())

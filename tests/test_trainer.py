@@ -242,11 +242,40 @@ def test_environment_mode_overrides_the_kwarg_and_arguments_override_both(tmp_pa
     assert callback.controller.settings.mode == "on"
 
 
+def native_offload_runs() -> bool:
+    """Whether torch's ``save_on_cpu(pin_memory=True)`` runs here as transformers' native offload calls it (the
+    device type of the current accelerator, else cpu). Not on a CPU-only build: torch.cpu is available and
+    cannot pin. Yes on a CUDA build without a GPU: torch.cuda is not available, so nothing is pinned."""
+    try:
+        current = torch.accelerator.current_accelerator()
+    except RuntimeError:  # torch 2.6 raises where later releases return None
+        current = None
+    x = torch.ones(2, requires_grad=True)
+    try:
+        with torch.autograd.graph.save_on_cpu(pin_memory=True, device_type=(current or torch.device("cpu")).type):
+            (x * x).sum().backward()
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_without_the_callback_auto_is_not_autooffloads_business(tmp_path):
-    # What the callback repairs: on this release the bare kwarg either fails (no native offload: the key
-    # reaches torch's checkpoint) or offloads always with pinned memory (CPU-only torch: fails too).
-    with pytest.raises((ValueError, RuntimeError), match=r"offload|pin_memory|pinned"):
-        train(tmp_path, [64], offload="auto")
+    # What the callback repairs. Before 5.17 the bare kwarg reaches torch's checkpoint and fails. From 5.17
+    # any truthy value is transformers' own always-on offload, save_on_cpu with pinned memory: it fails where
+    # that cannot run on this torch build, and otherwise trains with transformers' function on every layer.
+    import transformers
+    from packaging.version import Version
+
+    from autooffload.apply.paths import describe
+
+    native_offload = Version(transformers.__version__) >= Version("5.17")
+    if not (native_offload and native_offload_runs()):
+        with pytest.raises((ValueError, RuntimeError), match=r"offload|pin_memory|pinned"):
+            train(tmp_path, [64], offload="auto")
+        return
+    _, net = train(tmp_path, [64], offload="auto")
+    functions = {describe(layer._gradient_checkpointing_func) for layer in net.model.layers}
+    assert len(functions) == 1 and functions.pop().startswith("transformers.")
 
 
 def test_bad_offload_kwarg_fails_before_training(tmp_path):

@@ -2,10 +2,10 @@
 
 ``save_on_cpu(pin_memory=True)`` semantics, with three differences that matter in a training run:
 
-- Pinned memory is asked for only where a pinned allocator exists (an accelerator is present and the
-  tensor lives on it). On a CPU-only build ``save_on_cpu(pin_memory=True)`` fails at the first forward;
-  here the hooks fire and are counted on any machine, and a tensor already in host memory is kept as it
-  is (there is nothing to move).
+- Host buffers come from :class:`~autooffload.apply.host_memory.HostMemory`: exact sizes, pinned where
+  a device can pin, under the node's budget, given back when unused. On a CPU-only build
+  ``save_on_cpu(pin_memory=True)`` fails at the first forward; here the hooks fire and are counted on any
+  machine, and a tensor already in host memory is kept as it is (there is nothing to move).
 - Every byte packed is counted, per optimizer step and in total, so the controller can report it and tests
   can hold it against the arithmetic (layers x batch x seq x hidden x dtype-bytes).
 - The copies stay on the compute stream (``engine="sync"``): correct by construction, and the cost that
@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from .host_memory import HostBuffer, HostMemory
 
 
 @dataclasses.dataclass
@@ -38,41 +40,68 @@ class OffloadStats:
         return moved
 
 
-def _pinned_allocator_available() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return accelerator.is_available()
-    return torch.cuda.is_available()
+class _Loan:
+    """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor."""
+
+    __slots__ = ("buffer", "host")
+
+    def __init__(self, host: HostMemory, buffer: HostBuffer) -> None:
+        self.host, self.buffer = host, buffer
+
+    def __del__(self) -> None:
+        self.host.give(self.buffer)
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    """Which storage a tensor views; compared only while both tensors are alive."""
-    return tensor.device, tensor.untyped_storage().data_ptr()
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Which storage a tensor views; compared only while both tensors are alive. None for a tensor whose storage
+    cannot be read (a wrapper subclass, such as the DTensor parameters of an FSDP2-sharded model)."""
+    try:
+        return tensor.device, tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks: pack copies a tensor to (pinned) host memory, unpack copies it back."""
+    """Saved-tensor hooks: pack copies a tensor to host memory from ``host``, unpack copies it back.
 
-    def __init__(self, stats: OffloadStats, layer_input: torch.Tensor | None = None) -> None:
-        pin = _pinned_allocator_available()
-        only = None if layer_input is None else storage_key(layer_input)
+    A tensor the budget or the host cannot take stays on the device. A non-contiguous one (rare in a
+    decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
+    it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning).
+    """
 
-        def pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-            if only is not None and storage_key(tensor) != only:
-                return tensor.device, tensor
-            stats.add(tensor.numel() * tensor.element_size())
-            if tensor.device.type == "cpu":
-                return tensor.device, tensor
-            pin_this = pin and not tensor.is_sparse
-            host = torch.empty_like(tensor, device="cpu", pin_memory=pin_this)
+    def __init__(self, stats: OffloadStats, host: HostMemory, layer_input: torch.Tensor | None = None) -> None:
+        # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
+        # would never leave the device).
+        filtered, only = layer_input is not None, None if layer_input is None else storage_key(layer_input)
+
+        def pack(tensor: torch.Tensor) -> tuple:
+            if filtered and (only is None or storage_key(tensor) != only):
+                return tensor.device, tensor, None
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.device.type == "cpu" and not host.pin:
+                stats.add(nbytes)
+                return tensor.device, tensor, None
+            if tensor.is_sparse or not tensor.is_contiguous():
+                stats.add(nbytes)
+                return tensor.device, tensor.to("cpu", copy=True), None
+            buffer = host.take(nbytes, tensor.device)
+            if buffer is None:
+                return tensor.device, tensor, None
+            stats.add(nbytes)
+            view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
             # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the
-            # source's block only for work queued after it on that same stream, so freeing it is safe.
-            host.copy_(tensor, non_blocking=pin_this)
-            return tensor.device, host
+            # source's block only for work queued after it on that same stream, so freeing it is safe. The
+            # buffer is written again only by a later pack, queued on that stream after this unpack's copy.
+            view.copy_(tensor, non_blocking=buffer.pinned)
+            return tensor.device, view, _Loan(host, buffer)
 
-        def unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-            device, host = packed
-            return host.to(device, non_blocking=host.is_pinned())
+        def unpack(packed: tuple) -> torch.Tensor:
+            device, saved, loan = packed
+            if loan is None:
+                return saved if saved.device == device else saved.to(device)
+            restored = torch.empty(saved.shape, dtype=saved.dtype, device=device)
+            restored.copy_(saved, non_blocking=loan.buffer.pinned)
+            return restored
 
         super().__init__(pack, unpack)
 
@@ -81,11 +110,12 @@ class SyncEngine:
     """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too;
     of the tensors it saves, only the layer input's storage moves (all of them when none is named)."""
 
-    def __init__(self, stats: OffloadStats) -> None:
+    def __init__(self, stats: OffloadStats, host: HostMemory | None = None) -> None:
         self.stats = stats
+        self.host = host if host is not None else HostMemory()
 
     def hooks(self, last: bool, layer_input: torch.Tensor | None = None) -> HostOffloadHooks:
-        return HostOffloadHooks(self.stats, layer_input)
+        return HostOffloadHooks(self.stats, self.host, layer_input)
 
     def begin_forward(self) -> None:
         """Nothing links one layer call to another here."""

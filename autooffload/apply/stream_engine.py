@@ -47,28 +47,26 @@ layers offload, layer k-1's input is copied but held on the device until the bac
 begins (no later layer call lets go of it). Either way, at the end of the forward the stream engine holds
 one layer input more on the device than ``sync``.
 
-Host memory is a third budget (:class:`HostPool`): pinned buffers are reused across steps, new ones are
-taken only while the host keeps ``min_free`` of its memory free; if pinning fails the engine continues with
-pageable memory, and if the host is short the tensor stays on the device, each with one warning.
+Host memory is a third budget (:class:`HostPool` over :class:`~autooffload.apply.host_memory.HostMemory`):
+buffers of the size asked, reused across steps, under the node's budget, released when unused; if pinning
+fails the engine continues with pageable memory, and if the budget or the host is short the tensor stays on
+the device, each with one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ..warn import WarnOnce
-from .offload import OffloadStats, _pinned_allocator_available, storage_key
+from .host_memory import HostBuffer, HostMemory
+from .offload import OffloadStats, storage_key
 
 MIN_BYTES = 1024
-MIN_FREE = 0.10
-IDLE_CYCLES = 4
 
 
 class Streams:
@@ -120,109 +118,32 @@ def _stream_module(device: torch.device) -> Any:
     return module if all(hasattr(module, name) for name in needed) else None
 
 
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory, from psutil, or /proc/meminfo where psutil is missing."""
-    try:
-        import psutil
-    except ImportError:
-        with open("/proc/meminfo") as meminfo:
-            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
-        return fields["MemAvailable"], fields["MemTotal"]
-    memory = psutil.virtual_memory()
-    return int(memory.available), int(memory.total)
-
-
-def size_class(nbytes: int) -> int:
-    """The power of two torch's pinned allocator rounds ``nbytes`` up to: what a pinned buffer really takes."""
-    return 1 << max(0, nbytes - 1).bit_length()
-
-
 class HostPool:
-    """Host buffers keyed by device, pinned or not, and size class, handed out again across steps.
+    """The engine's host side: buffers from a :class:`~autooffload.apply.host_memory.HostMemory` (shared with
+    the controller, which plans under its budget and ticks its releases), keyed per device for the copies.
 
-    A buffer is allocated only on a miss, so the pool grows to what a step needs at once; a size class
-    left unused for ``IDLE_CYCLES`` cycles (a cycle ends when every buffer is back) is dropped. Before an
-    allocation the host must keep ``min_free`` of its memory free after it, counting the rounded size;
-    otherwise ``take`` returns None and the caller keeps the tensor on the device.
+    ``take`` returns None when the budget or the host is short, and the caller keeps the tensor on the device.
     """
 
-    def __init__(
-        self,
-        *,
-        allocate: Callable[[int, bool], torch.Tensor] | None = None,
-        memory: Callable[[], tuple[int, int]] = host_memory,
-        min_free: float = MIN_FREE,
-        pin: bool | None = None,
-    ) -> None:
-        self.allocate = allocate or (lambda nbytes, pin: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
-        self.memory = memory
-        self.min_free = min_free
-        self.pin = _pinned_allocator_available() if pin is None else pin
-        self.allocations = 0
-        self.held_bytes = 0
-        self._free: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
-        self._in_use = 0
-        self._cycle = 0
-        self._lock = threading.Lock()
-        self._warn = WarnOnce()
+    def __init__(self, host: HostMemory | None = None) -> None:
+        self.host = host if host is not None else HostMemory()
 
-    def take(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, tuple] | None:
-        """A host buffer of at least ``nbytes`` for a tensor on ``device`` and its key for :meth:`give`;
-        None if the host is short."""
-        key = (device, self.pin and device.type != "cpu", size_class(nbytes))
-        with self._lock:
-            if self._in_use == 0:
-                self._next_cycle()
-            free = self._free.get(key)
-            if free:
-                self._in_use += 1
-                return free.pop()[0], key
-        lease = self._allocate(key)
-        if lease is not None:
-            with self._lock:
-                self._in_use += 1
-        return lease
+    @property
+    def allocations(self) -> int:
+        return self.host.allocations
 
-    def give(self, buffer: torch.Tensor, key: tuple) -> None:
+    @property
+    def held_bytes(self) -> int:
+        return self.host.held_bytes
+
+    def take(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, HostBuffer] | None:
+        """A host buffer of at least ``nbytes`` for a tensor on ``device`` and its key for :meth:`give`."""
+        buffer = self.host.take(nbytes, device)
+        return None if buffer is None else (buffer.tensor, buffer)
+
+    def give(self, tensor: torch.Tensor, key: HostBuffer) -> None:
         """Return a buffer. Only copies on its device's copy stream touch it again, so they are ordered."""
-        with self._lock:
-            self._in_use -= 1
-            self._free.setdefault(key, []).append((buffer, self._cycle))
-
-    def _next_cycle(self) -> None:
-        self._cycle += 1
-        for key, free in self._free.items():
-            kept = [(buffer, cycle) for buffer, cycle in free if self._cycle - cycle <= IDLE_CYCLES]
-            self.held_bytes -= key[2] * (len(free) - len(kept))
-            self._free[key] = kept
-
-    def _allocate(self, key: tuple) -> tuple[torch.Tensor, tuple] | None:
-        device, pin, nbytes = key
-        available, total = self.memory()
-        if available - nbytes < self.min_free * total:
-            self._warn(
-                "host-short",
-                f"host memory is short ({available / 2**30:.1f} GiB available of {total / 2**30:.1f} GiB, "
-                f"{self.min_free:.0%} is kept free); saved inputs that do not fit in the host buffers already "
-                "held stay on the device",
-            )
-            return None
-        try:
-            buffer = self.allocate(nbytes, pin)
-        except RuntimeError as error:
-            if not pin:
-                self._warn("host-failed", f"a host buffer could not be allocated ({error}); inputs stay on the device")
-                return None
-            self.pin = False
-            self._warn(
-                "pin-failed",
-                f"pinned host memory could not be allocated ({error}); offload continues with pageable "
-                "memory, whose copies do not overlap compute (slower, still correct)",
-            )
-            return self._allocate((device, False, nbytes))
-        self.allocations += 1
-        self.held_bytes += nbytes
-        return buffer, key
+        self.host.give(key)
 
 
 class _Region:
@@ -304,10 +225,12 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
         self.engine = engine
         self.region = engine._open_region()
         region = self.region
-        only = None if layer_input is None else storage_key(layer_input)
+        # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
+        # would never leave the device).
+        filtered, only = layer_input is not None, None if layer_input is None else storage_key(layer_input)
 
         def pack(tensor: torch.Tensor) -> _Packed:
-            if only is not None and storage_key(tensor) != only:
+            if filtered and (only is None or storage_key(tensor) != only):
                 return _Packed(region, tensor=tensor)
             return engine._pack(tensor, region, keep)
 
@@ -338,11 +261,9 @@ class StreamEngine:
         self.streams = streams if streams is not None else Streams()
         self.pool = pool if pool is not None else HostPool()
         self.min_bytes = min_bytes
-        self.held = {
-            (tensor.device, tensor.untyped_storage().data_ptr())
-            for module in modules
-            for tensor in itertools.chain(module.parameters(), module.buffers())
-        }
+        self._modules = [weakref.ref(module) for module in modules]
+        self.held: dict[tuple[torch.device, int], list[weakref.ref]] = {}
+        self._find_held()
         self._last: weakref.ref | None = None
         self._unpacking: weakref.ref | None = None
         self._serial = 0
@@ -359,6 +280,16 @@ class StreamEngine:
         input the previous forward still held is let go of once its copy is done."""
         self._retire(before=self._serial + 1)
         self._last = None
+        self._find_held()
+
+    def _find_held(self) -> None:
+        """Where the parameters and buffers live now (a cast or move after attach puts them elsewhere)."""
+        self.held = {}
+        for module in (ref() for ref in self._modules):
+            for tensor in itertools.chain(module.parameters(), module.buffers()) if module is not None else ():
+                key = storage_key(tensor)
+                if key is not None:
+                    self.held.setdefault(key, []).append(weakref.ref(tensor))
 
     def _open_region(self) -> _Region:
         previous = self._last() if self._last is not None else None
@@ -393,8 +324,18 @@ class StreamEngine:
             and not tensor.is_conj()
             and not tensor.is_neg()
             and tensor.untyped_storage().nbytes() >= self.min_bytes
-            and (tensor.device, tensor.untyped_storage().data_ptr()) not in self.held
+            and not self._held(storage_key(tensor))
         )
+
+    def _held(self, key: tuple[torch.device, int] | None) -> bool:
+        """A parameter or buffer lives in this storage now: one seen at construction still exists and still has
+        it. A block freed since (a parameter moved or cast after attach) is the allocator's again, and the
+        activation it is handed to must move."""
+        for ref in self.held.get(key, ()) if key is not None else ():
+            tensor = ref()
+            if tensor is not None and storage_key(tensor) == key:
+                return True
+        return False
 
     def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:
         if keep or not self.offloadable(tensor):

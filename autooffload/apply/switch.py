@@ -14,11 +14,12 @@ itself is a *container*: its forward calls ``self._gradient_checkpointing_func(l
 ...)`` once per layer (many model files on 4.52, remote code on any release), so its calls within one forward
 are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
 is known before the first forward, and an installed dispatcher (:class:`LayerCalls`) runs call i with layer
-i's function, counting from 0 again at every forward of the attached model. Layers are grouped in *stacks*
-(the ModuleList they share); only the stack that consumes the tokens (:func:`text_stack`) is planned, the
-others (a VLM's vision blocks) keep plain checkpointing. Of a layer call's saved inputs only the layer input
-moves (its first positional tensor): masks, position ids and position embeddings that reach the checkpoint
-as positional arguments stay, and so does an input already moved in the same forward.
+i's function, counting from 0 again at every forward of the container (a pre-forward hook on it) and of the
+attached model. Layers are grouped in *stacks* (the ModuleList they share); only the stack that consumes the
+tokens (:func:`text_stack`) is planned, the others (a VLM's vision blocks) keep plain checkpointing. Of a
+layer call's saved inputs only the layer input moves (its first positional tensor): masks, position ids and
+position embeddings that reach the checkpoint as positional arguments stay, and so does an input already
+moved in the same forward.
 
 Each module gets two functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint
 kwargs, less the keys that are not torch's (``offload``, ``every_n_layers``): a plain one and one that runs
@@ -41,6 +42,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..warn import WarnOnce
+from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
 
@@ -239,13 +241,15 @@ class OffloadEngine(Protocol):
         """A top-level training forward begins: its layer calls form one chain, apart from earlier forwards'."""
 
 
-def make_engine(name: str, stats: OffloadStats, modules: list[torch.nn.Module]) -> OffloadEngine:
+def make_engine(
+    name: str, stats: OffloadStats, modules: list[torch.nn.Module], host: HostMemory | None = None
+) -> OffloadEngine:
     if name == "sync":
-        return SyncEngine(stats)
+        return SyncEngine(stats, host)
     if name == "stream":
-        from .stream_engine import StreamEngine
+        from .stream_engine import HostPool, StreamEngine
 
-        return StreamEngine(stats, modules=modules)
+        return StreamEngine(stats, modules=modules, pool=HostPool(host))
     raise ValueError(f"unknown offload engine {name!r}")
 
 
@@ -333,6 +337,7 @@ class CheckpointSwitch:
     container target, its calls in one forward (:class:`LayerCalls`). Other stacks (a VLM's vision blocks)
     and outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`OffloadEngine`.
+    ``host``: where a named engine takes its host buffers (default: a manager of its own).
     """
 
     def __init__(
@@ -341,14 +346,16 @@ class CheckpointSwitch:
         stats: OffloadStats,
         engine: str | OffloadEngine = "sync",
         warn: WarnOnce | None = None,
+        host: HostMemory | None = None,
     ) -> None:
         self.targets = targets
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
-        self.engine = make_engine(engine, stats, modules) if isinstance(engine, str) else engine
+        self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
         self.forward = ForwardState()
         self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
+        self._hooks: list[Any] = []
         self.layers = [LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)]
         self._offload = [
             self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
@@ -369,6 +376,7 @@ class CheckpointSwitch:
                 self._calls[id(target)] = calls
                 self.forward.calls.append(calls)
                 setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target))
+                self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
         self.offloaded = -1
@@ -410,15 +418,34 @@ class CheckpointSwitch:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
         container called its function more often in one forward than its stack has layers."""
         for calls in self._calls.values():
-            if calls.count > len(calls.functions):
-                target = calls.target
-                self.warn(
-                    f"container-calls:{target.name}",
-                    f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
-                    f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
-                    "those run plain checkpointing",
-                )
+            self._restart(calls)
         self.forward.new_forward()
+
+    def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
+        """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
+        also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
+
+        def restart(module: torch.nn.Module, args: tuple) -> None:
+            self._restart(calls)
+
+        return restart
+
+    def _restart(self, calls: LayerCalls) -> None:
+        if calls.count > len(calls.functions):
+            target = calls.target
+            self.warn(
+                f"container-calls:{target.name}",
+                f"{target.name or type(target.module).__name__} called its checkpoint function {calls.count} "
+                f"times in one forward, but {target.stack} has {len(calls.functions)} layers; the calls beyond "
+                "those run plain checkpointing",
+            )
+        calls.count = 0
+
+    def close(self) -> None:
+        """Remove the hooks this switch put on container modules (the switch is being replaced or detached)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _install(self, target: CheckpointTarget, function: Callable[..., Any]) -> None:
         setattr(target.module, target.attribute, function)

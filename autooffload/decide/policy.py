@@ -38,6 +38,8 @@ class Observation:
     (the optimizer state before the first ``optimizer.step()``). ``last_step_clean``: False when an evaluation
     or a checkpoint save ran between the last two readings, so the reading may hold more than training needs
     and is no sample of it.
+    ``host_layers``: the most layers whose saved inputs fit the host memory budget for this micro-batch (the
+    controller caps every answer at it; ``None``: no cap known).
     """
 
     step: int
@@ -54,6 +56,7 @@ class Observation:
     layer_work_bytes_per_token: float | None = None
     pending_bytes: int = 0
     last_step_clean: bool = True
+    host_layers: int | None = None
 
 
 class Policy(Protocol):
@@ -94,6 +97,7 @@ class HysteresisPolicy:
         self._step: int | None = None
         self._held = 0  # the most bytes this step's offloaded layers held, over its micro-batches
         self._need: float | None = None  # the last clean step's need without offload, a fraction of the device
+        self.last_reason: str | None = None  # why the last decision (autooffload.history.REASONS)
 
     @classmethod
     def from_settings(cls, settings: Any) -> HysteresisPolicy:
@@ -121,14 +125,18 @@ class HysteresisPolicy:
         return self._need
 
     def _decide(self, observation: Observation, memory: float | None) -> int:
+        high = "memory_high" if memory is not None and memory >= self.memory_high else None
+        high = "seq_high" if observation.seq_len >= self.seq_high else high
         if not self.offloading:
-            if (memory is not None and memory >= self.memory_high) or observation.seq_len >= self.seq_high:
+            if high:
                 self._switch(True, observation.step)
+            self.last_reason = high or "below_high"
         else:
             calm = (memory is None or memory < self.memory_low) and observation.seq_len < self.seq_low
             dwelt = self.last_switch_step is None or observation.step - self.last_switch_step >= self.min_steps
             if calm and dwelt:
                 self._switch(False, observation.step)
+            self.last_reason = high or ("above_low" if not calm else "dwell" if not dwelt else "below_low")
         return observation.layers if self.offloading else 0
 
     def agreed(self, observation: Observation, level: int) -> None:

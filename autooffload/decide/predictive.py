@@ -74,6 +74,7 @@ class PredictivePolicy:
         self.token_terms: tuple[float | None, float | None] = (None, None)  # logits, layer work per token
         self._step: int | None = None
         self._pending: list[tuple[int, int, int]] = []  # tokens, layers offloaded, bytes per layer
+        self.last_reason: str | None = None  # why the last decision (autooffload.history.REASONS)
 
     @classmethod
     def from_settings(cls, settings: Any) -> PredictivePolicy:
@@ -86,10 +87,14 @@ class PredictivePolicy:
     def decide(self, observation: Observation) -> int:
         self._learn(observation)
         level = self.plan(observation)
+        self.last_reason = "predicted_excess" if level else "predicted_fits"
         if level is None:
             level = self.fallback.decide(observation)
+            self.last_reason = self.fallback.last_reason
         elif not self.fitted and observation.tokens > (self.model.longest or 0):
-            level = max(level, min(self.fallback.decide(observation), observation.layers - 1))
+            floor = min(self.fallback.decide(observation), observation.layers - 1)
+            if floor > level:
+                level, self.last_reason = floor, self.fallback.last_reason
         self._pending.append((observation.tokens, level, observation.bytes_per_layer or 0))
         return level
 

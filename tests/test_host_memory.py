@@ -1,0 +1,242 @@
+"""Host memory: one manager for both engines, exact sizes, a budget for the node, real release, and pinning
+that fails. The pinning calls (``cudaHostRegister``/``Unregister``) are the hardware surface: tests inject
+recording stand-ins, so on a CPU the manager pins (records) and the engines copy into its buffers."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from conftest import HIDDEN, LAYERS, expected_bytes, train
+from transformers import TrainerCallback
+
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, Settings, SettingsError
+from autooffload.apply.host_memory import PAGE, HostMemory, node_budget, page_round
+
+CPU = torch.device("cpu")
+PLENTY = (1 << 40, 1 << 41)
+
+
+class Pinning:
+    """Records what is pinned and unpinned; ``fail_at``: the call (1-based) from which pinning fails."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.calls = 0
+        self.pinned: set[int] = set()
+        self.unpinned: list[int] = []
+        self.drains = 0
+
+    def register(self, buffer: torch.Tensor) -> None:
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise RuntimeError("cudaHostRegister failed with cudaError 2")
+        self.pinned.add(buffer.data_ptr())
+
+    def unregister(self, buffer: torch.Tensor) -> None:
+        self.pinned.remove(buffer.data_ptr())
+        self.unpinned.append(buffer.data_ptr())
+
+    def drain(self) -> None:
+        self.drains += 1
+
+    def host(self, budget_bytes: int | None = None, **kwargs) -> HostMemory:
+        kwargs.setdefault("memory", lambda: PLENTY)
+        return HostMemory(
+            budget_bytes, pin=True, register=self.register, unregister=self.unregister, drain=self.drain, **kwargs
+        )
+
+
+# ---- the manager --------------------------------------------------------------------------------------
+
+
+def test_buffers_are_the_size_asked_rounded_to_a_page_not_a_power_of_two():
+    host = Pinning().host()
+    sizes = [host.take(n, CPU).nbytes for n in (3000, 5 * 2**20 + 1, 9 * 2**20)]
+    assert sizes == [PAGE, 5 * 2**20 + PAGE, 9 * 2**20]  # torch's pinned allocator: 4 KiB, 8 MiB, 16 MiB
+    assert host.held_bytes == host.pinned_bytes == sum(sizes)
+
+
+def test_a_free_buffer_is_reused_even_when_the_host_reads_short():
+    available = [PLENTY[0]]
+    host = Pinning().host(memory=lambda: (available[0], PLENTY[1]))
+    big = host.take(8192, CPU)
+    host.give(big)
+    available[0] = 0  # what the pool holds is not free memory, but it is ours to hand out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert host.take(3000, CPU) is big
+    assert host.allocations == 1
+    with pytest.warns(AutoOffloadWarning, match="host memory is short"):
+        assert host.take(3000, CPU) is None  # a new buffer would need free host memory
+
+
+def test_the_budget_is_never_exceeded_free_buffers_make_room_first():
+    pinning = Pinning()
+    host = pinning.host(budget_bytes=5 * PAGE)
+    small = [host.take(PAGE, CPU) for _ in range(3)]
+    for buffer in small[:2]:
+        host.give(buffer)
+    # 3 pages held; 3 more do not fit: free ones (too small to serve it) are released, as many as needed
+    large = host.take(3 * PAGE, CPU)
+    assert large is not None and host.held_bytes == 5 * PAGE and pinning.drains == 1
+    assert len(pinning.unpinned) == 1
+    with pytest.warns(AutoOffloadWarning, match="budget"):
+        assert host.take(2 * PAGE, CPU) is None
+    assert host.peak_held_bytes <= 5 * PAGE
+
+
+def test_free_buffers_are_released_after_steps_unused():
+    pinning = Pinning()
+    host = pinning.host(release_after=3)
+    buffers = [host.take(PAGE, CPU) for _ in range(2)]
+    pointers = {b.tensor.data_ptr() for b in buffers}
+    for buffer in buffers:
+        host.give(buffer)
+    host.end_step()
+    host.end_step()
+    assert host.held_bytes == 2 * PAGE and pinning.unpinned == []
+    host.end_step()
+    assert host.held_bytes == host.pinned_bytes == 0 and set(pinning.unpinned) == pointers
+    assert host.releases == 2 and pinning.drains == 1  # one drain before the batch
+
+
+def test_default_buffers_are_exact_mappings_that_go_back_to_the_system():
+    host = HostMemory(pin=False, memory=lambda: PLENTY, release_after=1)
+    buffer = host.take(3 * 2**20 + 5, CPU)
+    assert buffer.nbytes == 3 * 2**20 + PAGE and buffer.tensor.data_ptr() % PAGE == 0
+    buffer.tensor.fill_(7)
+    host.give(buffer)
+    host.end_step()
+    assert host.held_bytes == 0 and buffer.tensor.numel() == 0
+
+
+def test_pinning_that_fails_gives_pageable_buffers_with_one_warning():
+    pinning = Pinning(fail_at=2)
+    host = pinning.host()
+    first = host.take(PAGE, CPU)
+    with pytest.warns(AutoOffloadWarning, match="pageable") as caught:
+        second = host.take(PAGE, CPU)
+        third = host.take(PAGE, CPU)
+    assert len(caught) == 1 and pinning.calls == 2  # not tried again
+    assert (first.pinned, second.pinned, third.pinned) == (True, False, False)
+    assert host.held_bytes == 3 * PAGE and host.pinned_bytes == PAGE
+
+
+# ---- the setting -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "budget"), [("0.25", 2**30), ("512MiB", 2**29), ("64GiB", 64 * 2**30), ("2GB", 2 * 10**9)]
+)
+def test_host_memory_setting(raw, budget):
+    setting = Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": raw}).host_memory
+    assert node_budget(setting, memory=lambda: (3 * 2**30, 4 * 2**30)) == budget
+
+
+def test_host_memory_default_is_half_of_what_is_available():
+    assert Settings().host_memory == "auto"
+    assert node_budget("auto", memory=lambda: (3 * 2**30, 4 * 2**30)) == 3 * 2**29
+
+
+@pytest.mark.parametrize("raw", ["0", "1.5", "lots", "64XB", "-1GiB", "12B"])
+def test_bad_host_memory_fails_at_construction(raw):
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_HOST_MEMORY=.* is not allowed: expected 'auto', a fraction"):
+        Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": raw})
+
+
+# ---- through the Trainer -----------------------------------------------------------------------------------
+
+
+class Steps(TrainerCallback):
+    """After every step: the level, the bytes moved, the bytes held; and the most held at any pack."""
+
+    def __init__(self, callback: AutoOffloadCallback) -> None:
+        self.controller = callback.controller
+        self.rows: list[tuple[int, int, int]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        c = self.controller
+        self.rows.append((c.level, c.last_step_bytes, c.host.held_bytes))
+
+
+def run(tmp_path, lengths, pinning: Pinning, engine: str = "sync", **settings):
+    release_after = settings.pop("release_after", 4)
+    callback = AutoOffloadCallback(probe=None, engine=engine, **settings)
+    callback.controller.host = pinning.host(release_after=release_after)
+    steps = Steps(callback)
+    trainer, net = train(tmp_path, lengths, callbacks=[callback, steps])
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return callback, steps.rows, losses, net, trainer
+
+
+@pytest.mark.parametrize(("engine", "mode"), [("sync", "on"), ("stream", "auto")])
+def test_a_small_budget_caps_the_level_and_what_is_held(tmp_path, caplog, engine, mode):
+    seq = 128
+    per_layer = seq * HIDDEN * 4  # fp32, one micro-batch of one sequence: 8 pages
+    # Room for two layers' inputs: mode "on" (all layers) and the sequence trigger (all layers) are capped.
+    caplog.set_level(logging.INFO, logger="transformers.autooffload")
+    callback, rows, _, _, trainer = run(
+        tmp_path, [seq] * 3, Pinning(), engine, mode=mode, seq_high=100, seq_low=50, host_memory=f"{2 * per_layer}B"
+    )
+    host = callback.controller.host
+    assert host.budget_bytes == 2 * per_layer
+    assert [level for level, *_ in rows] == [2, 2, 2]
+    # The sync engine copies both layers' inputs; the stream engine keeps the last offloaded one on the device
+    # only when it is the model's last layer, which it is not here: both move two layers' inputs.
+    assert [moved for _, moved, _ in rows] == [2 * per_layer] * 3
+    assert [held for *_, held in rows] == [2 * per_layer] * 3 and host.peak_held_bytes <= host.budget_bytes
+    assert host.held_bytes == 0  # released when training ends
+    capped = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
+    assert len(capped) == 1 and "capped at 2 of the 4 layer(s)" in capped[0]
+    logged = [h["autooffload/host_bytes"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == [2 * per_layer] * 3
+
+
+def test_the_budget_is_shared_by_the_ranks_of_the_node(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    seq = 128
+    per_layer = seq * HIDDEN * 4
+    callback, rows, *_ = run(tmp_path, [seq], Pinning(), mode="on", host_memory=f"{4 * per_layer}B")
+    assert callback.controller.host.budget_bytes == per_layer
+    assert rows == [(1, per_layer, per_layer)]  # a quarter of the node's budget: one layer's input
+
+
+@pytest.mark.parametrize("engine", ["sync", "stream"])
+def test_pinning_that_fails_mid_step_falls_back_with_one_warning_and_equal_results(tmp_path, engine):
+    lengths = [96, 128, 64]
+    _, _, reference, reference_net, _ = run(tmp_path / "ref", lengths, Pinning(), engine, mode="on")
+    pinning = Pinning(fail_at=3)  # the third layer of the first forward
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, rows, losses, net, _ = run(tmp_path / "fail", lengths, pinning, engine, mode="on")
+    ours = [w for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and "pageable" in str(ours[0].message)
+    assert losses == reference
+    for (name, a), (_, b) in zip(net.named_parameters(), reference_net.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    moved = [expected_bytes(seq) for seq in lengths]
+    if engine == "stream":  # the last layer's input stays on the device
+        moved = [m * (LAYERS - 1) // LAYERS for m in moved]
+    assert [m for _, m, _ in rows] == moved
+    # Two buffers pinned, the third failed and was not tried again; the rest pageable; all released at the end.
+    assert pinning.calls == 3 and len(pinning.unpinned) == 2 and pinning.pinned == set()
+    assert rows[0][2] == moved[0]  # pinned or not, every buffer is held and counted (exact page multiples here)
+
+
+def test_the_pool_gives_memory_back_after_offload_has_been_off(tmp_path):
+    pinning = Pinning()
+    lengths = [256, 256] + [64] * 6
+    callback, rows, *_ = run(
+        tmp_path, lengths, pinning, policy="hysteresis", seq_high=200, seq_low=100, min_steps=1, release_after=3
+    )
+    per_layer = page_round(256 * HIDDEN * 4)
+    assert [level for level, *_ in rows] == [LAYERS, LAYERS] + [0] * 6
+    # Offload off from step 2; the buffers go back three steps after their last use (step 1's backward, which
+    # some transformers releases let go of only at step 2), and not before.
+    held = [held for *_, held in rows]
+    assert held[:3] == [LAYERS * per_layer] * 3 and held[4:] == [0] * 4
+    assert len(pinning.unpinned) == LAYERS and pinning.pinned == set()
+    assert callback.controller.host.releases == callback.controller.host.allocations == LAYERS
