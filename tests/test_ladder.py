@@ -446,3 +446,11 @@ def test_a_resumed_trainer_run_keeps_as_the_uninterrupted_one(tmp_path):
     assert kept_logs(resumed) == kept_logs(uninterrupted) == [0.0, 1.0, 1.0, 1.0, 1.0]
     # The measured model came with the checkpoint: nothing is measured again.
     assert second.controller.kept_model.samples == first.controller.kept_model.samples != {} and measured == []
+
+
+def test_the_history_records_the_kept_layers_per_micro_batch():
+    net = checkpointed(qwen3(dropout=0.0))
+    controller = OffloadController(Settings(recompute="auto"), probe=Ample())
+    controller.attach(net)
+    train_loop(net, controller, [64, 64])
+    assert [record.kept for record in controller.recorder.pending] == [[0], [LAYERS]]
