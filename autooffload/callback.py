@@ -74,6 +74,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         compile_max_switches: int | None = None,
         engine: str | None = None,
         sync_ranks: bool | None = None,
+        recompute: str | None = None,
         *,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
@@ -92,6 +93,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             policy=policy if isinstance(policy, str) else None,
             rescue=rescue,
             sync_ranks=sync_ranks,
+            recompute=recompute,
             host_memory=host_memory,
         )
         policy = None if isinstance(policy, str) else policy

@@ -34,10 +34,12 @@ from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_no
 from .apply.offload import OffloadStats
 from .apply.paths import uncontrolled
 from .apply.switch import CheckpointSwitch, find_targets
+from .decide import ladder
+from .decide.activations import KeptLayerModel, LayerShape
 from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
-from .distributed import AgreementGroup, RankPeak, agree, every_rank, world_size, worst_rank
+from .distributed import AgreementGroup, RankPeak, agree, agree_plan, every_rank, world_size, worst_rank
 from .history import HistoryRecorder, StepRecord, fixed_reason, policy_reason
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
@@ -92,6 +94,20 @@ def _text_hidden_size(config: Any) -> int | None:
         except Exception:  # an ambiguous composite config
             return None
     return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+
+
+def _layer_shape(model: torch.nn.Module) -> LayerShape | None:
+    """The text stack's layer sizes from the model's config: the seed of the keep model."""
+    config = getattr(model, "config", None)
+    if config is not None and not isinstance(getattr(config, "hidden_size", None), int):
+        try:
+            config = config.get_text_config()
+        except Exception:  # no text config, or an ambiguous composite one
+            return None
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return LayerShape.from_config(config, parameter.element_size())
+    return None
 
 
 def _token_terms(model: torch.nn.Module) -> tuple[float | None, float | None]:
@@ -209,6 +225,15 @@ class OffloadController:
         self.level: int | None = None
         self.worst_rank: RankPeak | None = None
         self.warn = WarnOnce()
+        # The ladder's keep rung (recompute="auto"): what a kept layer adds, measured; the fraction kept on the
+        # last micro-batch; the longest micro-batch a reading has covered (keep never goes past it); and what
+        # the step's kept layers added to its reading, so that the policy learns the peak as if all recomputed.
+        self.kept_model = KeptLayerModel()
+        self.kept = 0.0
+        self.longest_read_tokens = 0
+        self._step_tokens = 0
+        self._step_kept: list[tuple[int, int, int]] = []  # tokens, seq, kept layers per micro-batch
+        self._reading_kept_bytes = 0.0
         self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
         self.recorder = HistoryRecorder()
 
@@ -231,6 +256,8 @@ class OffloadController:
         if self.host.budget_bytes is None:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
+        self.switch.on_measured = self._on_measured
+        self.kept_model.seed = self.kept_model.seed or _layer_shape(model)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
@@ -321,6 +348,7 @@ class OffloadController:
         level = max(self.switch.offloaded, 0)
         self.switch.close()
         self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
+        self.switch.on_measured = self._on_measured
         self.reinstalls += 1
         self._apply(level)
         logger.debug(
@@ -371,9 +399,14 @@ class OffloadController:
         self.last_seq_len, self.last_tokens = seq_len, tokens
         cap = self._host_cap(tokens)
         decided = self._capped(self._decide(seq_len, tokens, cap), cap) if self.switch.layers else 0
-        level = agree(self, decided, cap)
+        if self.settings.recompute == "auto":
+            level, keep = agree_plan(self, decided, self._plan_keep(seq_len, tokens, decided), cap)
+        else:
+            level, keep = agree(self, decided, cap), 0
         if level != decided:
             self.reason = "rank_agreement"
+        if self.compiled and (level, keep) != (self.switch.offloaded, self.switch.kept) and self._micro_batches > 0:
+            self.budget.switched()
         switched = level != self.switch.offloaded and self._micro_batches > 0
         if switched:
             self.switches += 1
@@ -385,9 +418,10 @@ class OffloadController:
                 level,
                 len(self.switch.layers),
             )
-            if self.compiled:
-                self.budget.switched()
-        self._apply(level)
+        measure = keep > 0 and not self.compiled and self.kept_model.wants(tokens, seq_len)
+        self._apply(level, keep, measure)
+        self._step_tokens = max(self._step_tokens, tokens)
+        self._step_kept.append((tokens, seq_len, self.switch.kept))
         self._offloaded_this_step |= level > 0
         self._layer_tokens += self.switch.offloaded * tokens
         self._micro_batches += 1
@@ -441,13 +475,14 @@ class OffloadController:
             self.reason = "policy_failed"
             return 0
         layers = len(self.switch.layers)
+        memory_bytes, memory_fraction = self._memory_as_if_all_recomputed()
         observation = Observation(
             self.step,
             seq_len,
             tokens,
-            self.memory_fraction,
+            memory_fraction,
             layers,
-            memory_bytes=self.memory_bytes,
+            memory_bytes=memory_bytes,
             total_bytes=self.total_bytes,
             bytes_per_layer=round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None,
             levels=compile_levels(layers, self.settings.compile_max_switches) if self.compiled else None,
@@ -469,6 +504,54 @@ class OffloadController:
             return 0
         self.reason = policy_reason(self.policy)
         return level
+
+    def _memory_as_if_all_recomputed(self) -> tuple[int | None, float | None]:
+        """The last reading less what kept layers added to it: what the policies plan from (they know nothing
+        of keep, so a step that kept must not look fuller to them than its all-recompute peak)."""
+        if not self._reading_kept_bytes or self.memory_bytes is None or not self.total_bytes:
+            return self.memory_bytes, self.memory_fraction
+        memory_bytes = max(round(self.memory_bytes - self._reading_kept_bytes), 0)
+        return memory_bytes, memory_bytes / self.total_bytes
+
+    def _plan_keep(self, seq_len: int, tokens: int, level: int) -> int:
+        """How many of the last layers run without checkpointing for this micro-batch (recompute="auto").
+
+        None where anything is fixed or unknown: offload decided (or forced by mode, latch, rescue), no
+        reading yet, a micro-batch longer than any a reading has covered, or a policy that cannot predict.
+        """
+        assert self.switch is not None
+        if level > 0 or self.settings.mode != "auto" or self._fixed_level() is not None or self._policy_failed:
+            return 0
+        if self.total_bytes is None or tokens <= 0 or tokens > self.longest_read_tokens:
+            return 0
+        predict = getattr(self.policy, "predict", None)
+        if predict is None:
+            self.warn(
+                "keep-no-prediction",
+                f"AUTOOFFLOAD_RECOMPUTE=auto needs a policy that predicts the peak (predictive); "
+                f"{type(self.policy).__name__} does not, so every layer recomputes",
+            )
+            return 0
+        per_layer = round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None
+        try:
+            predicted = predict(tokens, per_layer)
+        except Exception as error:  # a user's policy must not end the run
+            self.warn("keep-predict", f"{type(self.policy).__name__}.predict raised {error!r}; nothing is kept")
+            return 0
+        layers = len(self.switch.layers)
+        levels = ladder.keep_levels(layers, self.settings.compile_max_switches) if self.compiled else None
+        return ladder.plan(
+            predicted,
+            self.kept_model.predict(tokens, seq_len),
+            per_layer,
+            layers,
+            self.settings.memory_high * self.total_bytes,
+            ladder.KEEP_MARGIN * self.total_bytes,
+            levels,
+        ).keep
+
+    def _on_measured(self, nbytes: int) -> None:
+        self.kept_model.add(self.last_tokens, self.last_seq_len, nbytes)
 
     def _settle_budget(self) -> None:
         if not self.compiled:
@@ -543,8 +626,14 @@ class OffloadController:
         self.steps_offloading += int(self._offloaded_this_step)
         self._offloaded_this_step = False
         self.memory_fraction = self._read_memory()
+        # The peak is one micro-batch's, and which one is not known: take the least any micro-batch kept.
+        kept = [m * (self.kept_model.predict(t, s) or 0.0) for t, s, m in self._step_kept]
+        self._reading_kept_bytes = min(kept, default=0.0)
         if self.memory_fraction is not None:
             self.peak_memory_fraction = max(self.peak_memory_fraction or 0.0, self.memory_fraction)
+            self.longest_read_tokens = max(self.longest_read_tokens, self._step_tokens)
+        self._step_tokens = 0
+        self._step_kept = []
         if self.last_step_rescued and self.memory_bytes is not None and self.total_bytes:
             # The reading misses the allocation that failed: what the step needed is at least the device.
             self.memory_bytes = max(self.memory_bytes + (self._tried_bytes or 0), self.total_bytes)
@@ -613,11 +702,12 @@ class OffloadController:
         self.memory_bytes, self.total_bytes = int(reading.used_bytes), int(reading.total_bytes)
         return self.memory_bytes / self.total_bytes
 
-    def _apply(self, level: int) -> None:
+    def _apply(self, level: int, keep: int = 0, measure: bool = False) -> None:
         assert self.switch is not None
-        self.switch.apply(level)
+        self.switch.apply(level, keep, measure)
         self.level = self.switch.offloaded
         self.active = self.level / len(self.switch.layers) if self.switch.layers else 0.0
+        self.kept = self.switch.kept / len(self.switch.layers) if self.switch.layers else 0.0
 
     # ---- report and resume ---------------------------------------------------------------------------
 
@@ -625,6 +715,7 @@ class OffloadController:
         """The ``autooffload/*`` values for a training log."""
         logs = {
             "autooffload/active": self.active,
+            "autooffload/kept": self.kept,
             "autooffload/offloaded_bytes": float(self.last_step_bytes),
             "autooffload/switches": float(self.switches),
             "autooffload/rescues": float(self.rescues),
@@ -679,6 +770,9 @@ class OffloadController:
             "last_step_clean": self.last_step_clean,
             "pending_bytes": self.pending_bytes,
             "policy": self._policy_state(),
+            "kept_model": self.kept_model.state_dict(),
+            "longest_read_tokens": self.longest_read_tokens,
+            "reading_kept_bytes": self._reading_kept_bytes,
         }
 
     def _policy_state(self) -> dict[str, Any] | None:
@@ -708,6 +802,9 @@ class OffloadController:
         self.last_step_clean = bool(state.get("last_step_clean", True))
         self.pending_bytes = int(state.get("pending_bytes") or 0)  # a checkpoint after step 0: Adam's state to come
         self.level = state.get("level")
+        self.kept_model.load_state_dict(state.get("kept_model") or {})
+        self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
+        self._reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
         if self.level is not None:
             self._micro_batches = 1  # the next change of level is a switch, as it would have been
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):

@@ -111,15 +111,23 @@ def every_rank(ready: bool, group: AgreementGroup) -> bool:
 def agree(controller: OffloadController, level: int, cap: int | None = None) -> int:
     """The level every rank runs for this micro-batch: the ranks' maximum, capped at the smallest rank's
     host-memory cap (``None``: no cap), when there is a group to ask."""
+    return agree_plan(controller, level, 0, cap)[0]
+
+
+def agree_plan(controller: OffloadController, level: int, keep: int, cap: int | None = None) -> tuple[int, int]:
+    """The plan every rank runs: the most offload any rank asked for, capped at the smallest rank's host-memory
+    cap, and the least keep (``recompute="auto"``), in one collective, when there is a group to ask."""
     settings = controller.settings
     if not settings.sync_ranks or not controller.ranks_agree or settings.mode != "auto" or world_size() < 2:
-        return level
+        return level, keep
     layers = len(controller.switch.layers) if controller.switch is not None else level
-    most, least_cap = all_reduce_max([level, -(layers if cap is None else cap)], controller.agreement)
+    most, least_cap, fewest_kept = all_reduce_max(
+        [level, -(layers if cap is None else cap), -keep], controller.agreement
+    )
     agreed = min(most, -least_cap)
     if agreed != level:
         _tell_policy(controller, agreed)
-    return agreed
+    return agreed, -fewest_kept
 
 
 def _tell_policy(controller: OffloadController, level: int) -> None:

@@ -6,6 +6,13 @@ host in the forward, back in the backward), so the arithmetic answers the two qu
 device memory it frees and how much copying it adds. Everything else in a step (weights, gradients, optimizer
 state, the recomputed layer) is the same with and without offload and is not estimated here.
 
+With ``AUTOOFFLOAD_RECOMPUTE=auto`` a layer may also run without checkpointing and keep all its activations
+(no recompute): the estimate gives one layer's full activations at the length, from the layer type's
+arithmetic (:class:`~autooffload.decide.activations.LayerShape`, the seed the controller starts from before it
+measures), and how many layers could keep on the device: under ``memory_high``, after the saved inputs and
+what ``--other-memory`` says the rest of the step takes (weights, gradients, optimizer state; 0 by default,
+so the figure is an upper bound).
+
 No network and no torch work: the model is a local ``config.json`` (or ``--layers/--hidden``).
 """
 
@@ -20,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .decide.activations import LayerShape
 from .settings import PAGE, Settings, SettingsError, parse_host_memory
 
 GIB = 2**30
@@ -71,6 +79,11 @@ class Estimate:
     seq_high: int
     verdict: str
     recommendation: str
+    layer_activation_bytes: int = 0  # one layer's full activations, its input included (no checkpointing)
+    kept_layer_bytes: int = 0  # what keeping one layer adds over recomputing it
+    keepable_layers: int | None = None  # layers that could keep on the device (None: device memory unknown)
+    other_memory_bytes: int = 0
+    memory_high: float = 0.9
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,6 +101,9 @@ def estimate(
     host_available_bytes: int | None = None,
     host_bandwidth_gbps: float = DEFAULT_HOST_BANDWIDTH_GBPS,
     seq_high: int | None = None,
+    layer: LayerShape | None = None,
+    other_memory_bytes: int = 0,
+    memory_high: float | None = None,
     ranks_per_node: int = 1,
     host_budget_bytes: int | None = None,
     pinnable_bytes: int | None = None,
@@ -96,6 +112,8 @@ def estimate(
     """Pure arithmetic and the recommendation; reads nothing from the machine (the caller passes what it read).
 
     ``seq_high`` is the sequence length at which ``auto`` switches offload on (default: the Settings default).
+    ``layer``: the layer's sizes for the keep figures (default: a Llama-style layer of this hidden size,
+    intermediate 4 x hidden, heads of 128); ``memory_high`` defaults to the Settings default.
     ``ranks_per_node`` processes share the host: the node needs that many times a rank's pinned bytes, and
     each rank gets that share of ``host_budget_bytes`` (the node's budget, ``AUTOOFFLOAD_HOST_MEMORY``).
     """
@@ -133,6 +151,16 @@ def estimate(
     if verdict != "not-needed" and pinnable_bytes is not None and pinned > pinnable_bytes:
         text += f"; pinning stops at {gib(pinnable_bytes)} ({pinnable_note}): the rest goes to pageable memory"
 
+    memory_high = Settings().memory_high if memory_high is None else memory_high
+    if layer is None:
+        heads = max(hidden // 128, 1)
+        layer = LayerShape(hidden, 4 * hidden, heads, heads, hidden // heads, dtype_bytes)
+    layer = dataclasses.replace(layer, dtype_bytes=dtype_bytes)
+    kept = round(layer.bytes(batch * seq, seq))
+    keepable = None
+    if device_memory_bytes is not None:
+        room = memory_high * device_memory_bytes - other_memory_bytes - saved
+        keepable = max(0, min(layers, int(room // kept))) if kept > 0 else layers
     return Estimate(
         layers=layers,
         hidden=hidden,
@@ -159,6 +187,11 @@ def estimate(
         seq_high=seq_high,
         verdict=verdict,
         recommendation=text,
+        layer_activation_bytes=kept + per_layer,
+        kept_layer_bytes=kept,
+        keepable_layers=keepable,
+        other_memory_bytes=other_memory_bytes,
+        memory_high=memory_high,
     )
 
 
@@ -247,6 +280,23 @@ def read_config(path: str | Path) -> tuple[int, int]:
         wanted = "; ".join(f"{m} ({'/'.join(keys[m])})" for m in missing)
         raise EstimateError(f"{path} has no {wanted}; pass --layers/--hidden")
     return layers, hidden  # type: ignore[return-value]
+
+
+def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerShape | None:
+    """The layer's sizes for the keep figures from a ``config.json`` (text config first); None where it has none."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    scope = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    fields = {k: v for k, v in scope.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    fields["hidden_size"] = hidden
+    return LayerShape.from_config(argparse.Namespace(**fields), dtype_bytes)
 
 
 def _first_int(scopes: list[dict[str, Any]], keys: tuple[str, ...]) -> int | None:
@@ -352,6 +402,16 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be zero or positive")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="autooffload estimate",
@@ -384,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="processes sharing this host (e.g. GPUs per node); the node's host memory is checked for all of them",
     )
+    parser.add_argument(
+        "--other-memory",
+        type=_non_negative,
+        default=0.0,
+        metavar="GIB",
+        help="device memory the rest of the step takes (weights, gradients, optimizer state) in GiB, for the "
+        "number of layers that could keep (default 0: an upper bound)",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
 
@@ -405,17 +473,23 @@ def main(argv: list[str] | None = None) -> int:
             device, source = round(options.device_memory * GIB), "argument"
         else:
             device, source = nvml_total_bytes(), "nvml"
+        settings = Settings.from_env()
+        dtype = normalize_dtype(options.dtype)
+        layer = read_layer_shape(options.config, hidden, DTYPE_BYTES[dtype]) if options.config else None
         result = estimate(
             layers,
             hidden,
             options.seq,
             options.batch,
-            options.dtype,
+            dtype,
             device_memory_bytes=device,
             device_memory_source=source,
             host_available_bytes=host_available_bytes(),
             host_bandwidth_gbps=options.host_bandwidth,
             seq_high=settings.seq_high,
+            layer=layer,
+            other_memory_bytes=round(options.other_memory * GIB),
+            memory_high=settings.memory_high,
             ranks_per_node=options.ranks_per_node,
             host_budget_bytes=host_budget(settings.host_memory),
             pinnable_bytes=pinnable,
@@ -461,6 +535,23 @@ def render(result: Estimate) -> str:
         f"autooffload estimate: {result.layers} layers x hidden {result.hidden}, batch {result.batch} x seq "
         f"{result.seq}, {result.dtype} ({result.dtype_bytes} B)"
     )
+    if result.keepable_layers is None:
+        keepable = ("layers that could keep", "unknown", "no device memory given or read")
+    else:
+        rest = f", {gib(result.other_memory_bytes)} for the rest" if result.other_memory_bytes else " (upper bound)"
+        keepable = (
+            "layers that could keep",
+            f"{result.keepable_layers} of {result.layers}",
+            f"under memory_high {result.memory_high:g} of the device, after the saved inputs{rest}",
+        )
+    rows += [
+        (
+            "one layer's full activations",
+            gib(result.layer_activation_bytes),
+            "what a layer holds run without checkpointing (AUTOOFFLOAD_RECOMPUTE=auto keeps the last layers)",
+        ),
+        keepable,
+    ]
     lines = [head] + [f"  {label:<28}  {value:>11}  {note}" for label, value, note in rows]
     lines += [f"  {'device memory':<28}  {device}", f"  recommendation: {result.recommendation}"]
     return "\n".join(lines)

@@ -12,7 +12,8 @@ A record (one JSON object per line, keys in this order):
 - ``seq_lens``, ``tokens``, ``offloaded``, ``reasons``: one entry per micro-batch of the step: its sequence
   length, its tokens (batch x sequence), the checkpointed layers that offloaded, and why (:data:`REASONS`).
   A rescued step lists the rerun's micro-batches only.
-- ``kept``: ``null``; reserved for the layers that keep their input on the device.
+- ``kept``: with ``AUTOOFFLOAD_RECOMPUTE=auto``, one entry per micro-batch: the checkpointed layers that ran
+  without checkpointing (kept, not recomputed); ``null`` with ``always``.
 - ``bytes_moved``: bytes the offload hooks moved to host memory in the step (a rescued step: both attempts).
 - ``switches``: changes of level in the step; ``rescued``: the step ran out of memory and was rerun.
 - ``memory_fraction``, ``memory_bytes``, ``total_bytes``: the reading at the end of the step (``null``
@@ -132,12 +133,14 @@ class HistoryRecorder:
         self.pending: list[StepRecord] = []
         self.dropped = 0
         self._micro_batches: list[tuple[int, int, int, str]] = []
+        self._kept: list[int] = []
         self._predicted: float | None = None
         self._switches = 0
 
     def micro_batch(self, controller: OffloadController, seq_len: int, tokens: int, switched: bool) -> None:
         """After a micro-batch's level is installed: its shape, level and reason, and the policy's prediction."""
         self._micro_batches.append((seq_len, tokens, controller.level or 0, controller.reason))
+        self._kept.append(controller.switch.kept if controller.switch is not None else 0)
         self._switches += int(switched)
         predicted = predicted_peak(controller.policy, tokens, controller.layer_token_bytes)
         if predicted is not None:
@@ -146,6 +149,7 @@ class HistoryRecorder:
     def rescue(self) -> None:
         """The step is rerun from its first micro-batch: forget the failed attempt's micro-batches."""
         self._micro_batches.clear()
+        self._kept.clear()
 
     def end_step(self, controller: OffloadController) -> StepRecord:
         """Close the step the controller has just ended (its ``step`` already counts it)."""
@@ -157,7 +161,7 @@ class HistoryRecorder:
             tokens=[tokens for _, tokens, *_ in shapes],
             offloaded=[level for *_, level, _ in shapes],
             reasons=[reason for *_, reason in shapes],
-            kept=None,
+            kept=list(self._kept) if settings.recompute == "auto" else None,
             bytes_moved=int(controller.last_step_bytes),
             switches=self._switches,
             rescued=bool(controller.last_step_rescued),
@@ -172,7 +176,7 @@ class HistoryRecorder:
             memory_high=settings.memory_high,
             memory_low=settings.memory_low,
         )
-        self._micro_batches, self._predicted, self._switches = [], None, 0
+        self._micro_batches, self._kept, self._predicted, self._switches = [], [], None, 0
         self.pending.append(record)
         if len(self.pending) > self.limit:
             del self.pending[0]

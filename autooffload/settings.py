@@ -18,6 +18,7 @@ ENV_PREFIX = "AUTOOFFLOAD_"
 MODES = ("auto", "on", "off")
 ENGINES = ("sync", "stream")
 POLICIES = ("predictive", "hysteresis")
+RECOMPUTES = ("always", "auto")
 DEFAULT_HOST_SHARE = 0.5  # of the host memory available at start, for the node: AUTOOFFLOAD_HOST_MEMORY=auto
 PAGE = 4096
 
@@ -45,6 +46,9 @@ class Settings:
     ``sync_ranks``: under torch.distributed with more than one rank, agree on one level per micro-batch (the
     ranks' maximum) with one small collective, and gather the worst rank's memory at the end of training;
     off means autooffload makes no collective at all (ranks that do not run the same model, e.g. pipeline stages).
+    ``recompute``: ``"always"`` (every checkpointed layer recomputes its forward in the backward, as plain
+    checkpointing does) or ``"auto"`` (in ``auto`` mode, the last checkpointed layers may run without
+    checkpointing, their activations kept, when the predicted peak leaves room: :mod:`autooffload.decide.ladder`).
     ``host_memory``: the host memory offload may hold on this node, shared by its ranks (``LOCAL_WORLD_SIZE``):
     a fraction of host RAM (``"0.5"``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``, half of the host
     memory available at start. Every level is capped at what fits (:mod:`autooffload.apply.host_memory`).
@@ -61,6 +65,7 @@ class Settings:
     policy: str = "predictive"
     rescue: bool = True
     sync_ranks: bool = True
+    recompute: str = "always"
     host_memory: str = "auto"
 
     def __post_init__(self) -> None:
@@ -206,6 +211,7 @@ _ALLOWED = {
     "mode": ("one of " + ", ".join(MODES), lambda v: v in MODES),
     "engine": ("one of " + ", ".join(ENGINES), lambda v: v in ENGINES),
     "policy": ("one of " + ", ".join(POLICIES), lambda v: v in POLICIES),
+    "recompute": ("one of " + ", ".join(RECOMPUTES), lambda v: v in RECOMPUTES),
     "rescue": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
     "memory_high": ("a fraction in (0, 1]", lambda v: 0.0 < v <= 1.0),
     "memory_low": ("a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0),

@@ -10,6 +10,9 @@ controller builds, the same ``decide``):
   the last step, or a sequence of 32768 tokens, turns all layers on);
 - ``predictive``: :class:`~autooffload.decide.predictive.PredictivePolicy` with the default settings, partial offload;
 - ``predictive, compiled``: the same, held to the levels the controller allows under torch.compile;
+- ``ladder``: the predictive policy with ``recompute="auto"``: where it offloads nothing, the last layers keep
+  (no checkpointing, no recompute) as far as :func:`autooffload.decide.ladder.plan` fits them under the same
+  90% less its margin, from lengths a reading has covered;
 - ``oracle``: knows every step's true peak and offloads the fewest layers that keep it at or below the
   same 90% (or, where nothing can, at or below the device's size).
 
@@ -34,7 +37,12 @@ A step whose peak passes the device's size counts as an out-of-memory step and i
 costs a step's compute); its reading is the device's size. Time: the sync engine copies every offloaded
 byte out in the forward and back in the backward on the compute stream, 2 x bytes / --bandwidth; compute is
 (8 x params x tokens + 8 x layers x hidden x batch x seq^2) / --flops (forward, recompute and backward,
-dense and causal attention). Both are stated estimates, not measurements.
+dense and causal attention). Both are stated estimates, not measurements. The recompute is the middle part:
+one layer's forward, (2 x layer params x tokens + 2 x hidden x batch x seq^2) / --flops, per recomputed layer
+and micro-batch; a kept layer does not pay it, and adds its activations to the peak, (kept bytes per token
+from the layer type's arithmetic, :class:`autooffload.decide.activations.LayerShape`) x T x (1 + noise). The
+time column compares each policy's total (compute less the recompute it skipped, plus copies and failed
+attempts) with plain checkpointing's (``never``: compute alone).
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from autooffload.decide import ladder
+from autooffload.decide.activations import LayerShape
 from autooffload.decide.peak import layer_work_bytes_per_token, logits_bytes_per_token
 from autooffload.decide.policy import HysteresisPolicy, Observation
 from autooffload.decide.predictive import PredictivePolicy, compile_levels
@@ -60,7 +70,7 @@ from autooffload.settings import Settings
 GIB = 2**30
 HERE = Path(__file__).resolve().parent
 FIXED_TRACE = HERE / "traces" / "longtail.txt"
-POLICIES = ("never", "always", "threshold", "predictive", "predictive, compiled", "oracle")
+POLICIES = ("never", "always", "threshold", "predictive", "predictive, compiled", "ladder", "oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +90,18 @@ class Scenario:
     chunked_loss: bool = True
     optimizer_state_gib: float = 0.0
     batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def layer_shape(self) -> LayerShape:
+        return LayerShape(self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.dtype_bytes)
+
+    @property
+    def layer_params(self) -> float:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
 
 
 SCENARIOS = {
@@ -104,6 +126,7 @@ SCENARIOS = {
             32.8e9,
             63.0,
             80.0,
+            heads=64,
         ),
         Scenario(
             "8b-fsdp-80gb",
@@ -158,13 +181,21 @@ class MemoryModel:
         self.state = s.optimizer_state_gib * GIB
         self.total = int(s.device_gib * GIB)
 
-    def peak(self, tokens: int, level: int, noise: float = 0.0, step: int = 1) -> float:
-        """The true peak; at step 0 without the optimizer state, which the first optimizer step allocates."""
+    def peak(
+        self, tokens: int, level: int, noise: float = 0.0, step: int = 1, keep: int = 0, seq: int | None = None
+    ) -> float:
+        """The true peak; at step 0 without the optimizer state, which the first optimizer step allocates;
+        ``keep`` layers kept add their activations (at sequence length ``seq``)."""
         c, layers, f = self.layer_bytes_per_token, self.layers, self.freed
         forward_end = self.loss_per_token + (layers - f * level) * c
         backward_start = self.work_per_token + (layers - f * min(level, layers - 1)) * c
         static = self.static - (self.state if step == 0 else 0.0)
-        return static + tokens * (1 + noise) * max(forward_end, backward_start)
+        kept = keep * self.kept_bytes(tokens, seq or tokens // self.scenario.batch) if keep else 0.0
+        return static + (tokens * max(forward_end, backward_start) + kept) * (1 + noise)
+
+    def kept_bytes(self, tokens: int, seq: int) -> float:
+        """What keeping one layer adds to the peak for a micro-batch (its activations beyond its input)."""
+        return self.scenario.layer_shape.bytes(tokens, seq)
 
 
 # ---- traces -----------------------------------------------------------------------------------------------
@@ -284,10 +315,41 @@ def decider(name: str, model: MemoryModel, settings: Settings) -> Callable[[Obse
         return lambda o, noise: policy.decide(o)
     if name == "predictive, compiled":
         return compiled(PredictivePolicy.from_settings(settings), layers, settings.compile_max_switches)
+    if name == "ladder":
+        return ladder_decider(PredictivePolicy.from_settings(settings), model, settings)
     if name == "oracle":
         limit = settings.memory_high * model.total
         return lambda o, noise: oracle_level(model, o.tokens, noise, limit, o.step)
     raise ValueError(name)
+
+
+def ladder_decider(
+    policy: PredictivePolicy, model: MemoryModel, settings: Settings
+) -> Callable[[Observation, float], tuple[int, int]]:
+    """The controller's plan with ``recompute="auto"``: the policy's offload; where it is 0, the kept layers
+    the ladder fits, from a micro-batch no longer than any a reading has covered."""
+    read = {"longest": 0, "step": -1, "step_tokens": 0}
+
+    def decide(observation: Observation, noise: float) -> tuple[int, int]:
+        if observation.step != read["step"]:
+            if observation.memory_bytes is not None:
+                read["longest"] = max(read["longest"], read["step_tokens"])
+            read.update(step=observation.step, step_tokens=0)
+        read["step_tokens"] = max(read["step_tokens"], observation.tokens)
+        level = policy.decide(observation)
+        if level or observation.total_bytes is None or observation.tokens > read["longest"]:
+            return level, 0
+        rungs = ladder.plan(
+            policy.predict(observation.tokens, observation.bytes_per_layer, observation),
+            model.kept_bytes(observation.tokens, observation.seq_len),
+            observation.bytes_per_layer,
+            model.layers,
+            settings.memory_high * model.total,
+            ladder.KEEP_MARGIN * model.total,
+        )
+        return level, rungs.keep
+
+    return decide
 
 
 def compiled(policy: PredictivePolicy, layers: int, budget: int) -> Callable[[Observation, float], int]:
@@ -311,13 +373,22 @@ def compiled(policy: PredictivePolicy, layers: int, budget: int) -> Callable[[Ob
 
 
 def replay(
-    name: str, model: MemoryModel, lengths: list[int], noises: list[float], settings: Settings, micro_batches: int = 1
+    name: str,
+    model: MemoryModel,
+    lengths: list[int],
+    noises: list[float],
+    settings: Settings,
+    micro_batches: int = 1,
+    flops: float = 400e12,
 ) -> dict[str, Any]:
     """Run one policy over a trace; what it copied, how often memory ran out, and the levels it chose."""
     decide = decider(name, model, settings)
     s = model.scenario
     c = model.layer_bytes_per_token
     reading: float | None = None
+    kept_at_reading = 0.0
+    recompute_s = 0.0
+    kept_layers = 0
     rescued = False
     copied = rescued_bytes = 0
     oom_steps = unrescued = steps_offloading = 0
@@ -326,16 +397,18 @@ def replay(
     switches = 0
     for step, start in enumerate(range(0, len(lengths), micro_batches)):
         peak, offloaded = 0.0, False
+        step_kept: list[float] = []
         group = list(range(start, min(start + micro_batches, len(lengths))))
         for index in group:
             tokens = s.batch * lengths[index]
+            as_if_recomputed = None if reading is None else reading - kept_at_reading
             observation = Observation(
                 step,
                 lengths[index],
                 tokens,
-                None if reading is None else reading / model.total,
+                None if as_if_recomputed is None else as_if_recomputed / model.total,
                 model.layers,
-                memory_bytes=None if reading is None else int(reading),
+                memory_bytes=None if as_if_recomputed is None else int(as_if_recomputed),
                 total_bytes=None if reading is None else model.total,
                 bytes_per_layer=c * tokens,
                 last_step_rescued=rescued,
@@ -343,12 +416,15 @@ def replay(
                 layer_work_bytes_per_token=model.work_seed,
                 pending_bytes=int(model.state) if step == 1 else 0,
             )
-            level = decide(observation, noises[index])
+            level, keep = _rungs(decide(observation, noises[index]))
             switches += bool(levels_used) and level != levels_used[-1]
             levels_used.append(level)
             copied += level * c * tokens
             offloaded |= level > 0
-            peak = max(peak, model.peak(tokens, level, noises[index], step))
+            kept_layers += keep
+            recompute_s += (model.layers - keep) * layer_forward_seconds(s, lengths[index], flops)
+            peak = max(peak, model.peak(tokens, level, noises[index], step, keep, lengths[index]))
+            step_kept.append(keep * model.kept_bytes(tokens, lengths[index]) * (1 + noises[index]))
         steps_offloading += offloaded
         rescued = peak > model.total
         if rescued:
@@ -358,8 +434,10 @@ def replay(
             unrescued += max(rerun) > model.total
             rescued_bytes += sum(model.layers * c * s.batch * lengths[i] for i in group)
             reading = float(model.total)
+            kept_at_reading = 0.0  # the rerun kept nothing
         else:
             reading = peak
+            kept_at_reading = min(step_kept, default=0.0)
     return {
         "policy": name,
         "oom_steps": oom_steps,
@@ -371,7 +449,19 @@ def replay(
         "steps": math.ceil(len(lengths) / micro_batches),
         "switches": switches,
         "distinct_levels": sorted(set(levels_used)),
+        "recompute_s": recompute_s,
+        "kept_share": kept_layers / (model.layers * len(lengths)) if lengths else 0.0,
     }
+
+
+def _rungs(decided: int | tuple[int, int]) -> tuple[int, int]:
+    return decided if isinstance(decided, tuple) else (decided, 0)
+
+
+def layer_forward_seconds(scenario: Scenario, seq: int, flops: float) -> float:
+    """One layer's forward for a micro-batch: what recomputing it costs (dense, causal attention)."""
+    s = scenario
+    return (2 * s.layer_params * s.batch * seq + 2 * s.hidden * s.batch * seq * seq) / flops
 
 
 def compute_seconds(scenario: Scenario, lengths: list[int], flops: float) -> list[float]:
@@ -395,14 +485,19 @@ def compare(
     compute = compute_seconds(scenario, lengths, options.flops * 1e12)
     total_compute = sum(compute)
     step_compute = statistics.fmean(compute)
-    rows = [replay(name, model, lengths, noises, settings, options.micro_batches) for name in POLICIES]
-    oracle = rows[-1]["bytes"]
+    flops = options.flops * 1e12
+    rows = [replay(name, model, lengths, noises, settings, options.micro_batches, flops) for name in POLICIES]
+    by_name = {row["policy"]: row for row in rows}
+    oracle = by_name["oracle"]["bytes"]
+    plain_recompute = by_name["never"]["recompute_s"]
     for row in rows:
         row["copy_s"] = 2 * row["bytes"] / bandwidth
         row["failed_attempts_s"] = row["oom_steps"] * step_compute * options.micro_batches
         row["overhead"] = (row["copy_s"] + row["failed_attempts_s"]) / total_compute
         row["bytes_vs_oracle"] = row["bytes"] / oracle if oracle else None
-    by_name = {row["policy"]: row for row in rows}
+        skipped = plain_recompute - row["recompute_s"]
+        row["total_s"] = total_compute - skipped + row["copy_s"] + row["failed_attempts_s"]
+        row["time_vs_plain"] = row["total_s"] / total_compute
     predictive, oracle_row = by_name["predictive"], by_name["oracle"]
     ratio = predictive["bytes_vs_oracle"]
     first_reading_oom = [step for step in predictive["oom_at"] if step > 0]
@@ -429,7 +524,8 @@ def compare(
 def table(results: list[dict[str, Any]]) -> str:
     head = (
         "| scenario | trace | policy | OOM steps | not rescuable | GiB copied | x oracle | time overhead "
-        "| steps offloading | switches | levels used |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| steps offloading | switches | levels used | kept | time vs plain checkpointing |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for result in results:
@@ -442,7 +538,8 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {result['scenario']} | {result['trace']} | {row['policy']} | {row['oom_steps']} "
                 f"| {row['unrescued_steps']} | {row['bytes'] / GIB:,.1f} | {ratio} | {row['overhead']:.2%} "
-                f"| {row['steps_offloading']} / {row['steps']} | {row['switches']} | {shown} |"
+                f"| {row['steps_offloading']} / {row['steps']} | {row['switches']} | {shown} "
+                f"| {row['kept_share']:.0%} | {row['time_vs_plain']:.3f} |"
             )
     return head + "\n".join(lines) + "\n"
 
@@ -473,6 +570,12 @@ def summary(results: list[dict[str, Any]]) -> str:
         f"{max((row(r, 'predictive')['switches'] for r in constant), default=0)}",
         f"- blocks missing a target: {sum(not all(r['target'].values()) for r in results)}",
     ]
+    times = [row(r, "ladder")["time_vs_plain"] for r in results]
+    ladder_oom = sum(row(r, "ladder")["oom_steps"] - row(r, "predictive")["oom_steps"] for r in results)
+    lines.append(
+        f"- ladder (recompute=auto) time / plain checkpointing's: median {statistics.median(times):.3f}, "
+        f"best {min(times):.3f}, worst {max(times):.3f}; out-of-memory steps beyond predictive's: {ladder_oom}"
+    )
     return "\n".join(lines) + "\n"
 
 

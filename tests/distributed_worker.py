@@ -359,6 +359,26 @@ def fsdp2_run(rank: int, sync: bool) -> dict:
     }
 
 
+def fsdp2_keep_run(rank: int) -> dict:
+    """``recompute="auto"`` with room to spare: kept layers call the wrapped module directly under fully_shard,
+    and the ranks keep the fewest layers any of them planned."""
+    model = fsdp2_model()
+    controller = OffloadController(Settings(recompute="auto"), probe=ScriptedProbe([0.01]))
+    controller.attach(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, kept = [], []
+    for step in range(len(LENGTHS)):
+        ids = batch(step, rank)
+        loss = model(input_ids=ids, labels=ids).loss
+        kept.append(controller.switch.kept)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_step()
+        losses.append(loss.item())
+    return {"losses": losses, "kept": kept}
+
+
 def fsdp2(rank: int, out: Path) -> dict:
     torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
     calls = count_collectives()
@@ -370,7 +390,8 @@ def fsdp2(rank: int, out: Path) -> dict:
     side = fsdp2_run(rank, sync=True)
     side["collectives"] = calls[0] - synced["collectives"] - alone["collectives"]
     side["side_collectives"] = calls[1]
-    result = {"synced": synced, "alone": alone, "side": side}
+    keep = fsdp2_keep_run(rank)
+    result = {"synced": synced, "alone": alone, "side": side, "keep": keep}
     return {"world_size": torch.distributed.get_world_size(), **result}
 
 

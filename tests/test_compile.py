@@ -67,3 +67,24 @@ def test_spent_budget_latches_offload_on(tmp_path):
     assert controller.latched and controller.budget.spent == 1
     # Latched after the first switch compiled: every later step offloads, whatever the memory says.
     assert moved[:2] == [0, 0] and all(m == expected_bytes(64) for m in moved[2:])
+
+
+def test_keep_under_compile_takes_allowed_levels_within_the_budget(tmp_path):
+    torch_dynamo.reset()
+    callback = AutoOffloadCallback(recompute="auto", compile_max_switches=4, probe=ScriptedProbe([0.01]))
+    kept = []
+
+    class Record(type(callback).__mro__[1]):  # a plain TrainerCallback
+        def on_step_end(self, args, state, control, **kwargs):
+            kept.append(callback.controller.switch.kept)
+
+    trainer, _ = train(
+        tmp_path, [64] * 4, callbacks=[callback, Record()], torch_compile=True, torch_compile_backend="aot_eager"
+    )
+    controller = callback.controller
+    assert controller.compiled
+    # From the first reading on every layer keeps (ample memory); the plan changed once, from 0 kept to 4.
+    assert kept == [0, 4, 4, 4]
+    assert controller.budget.spent <= 1 and not controller.latched
+    assert controller.kept_model.samples == {}  # nothing measured under compile: the seed decided
+    assert [h["autooffload/kept"] for h in trainer.state.log_history if "loss" in h] == [0.0, 1.0, 1.0, 1.0]

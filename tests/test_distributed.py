@@ -263,6 +263,10 @@ def test_fsdp2_ranks_switch_together_and_losses_equal_one_process(tmp_path):
         assert [level for _, level in alone["levels"]] == alone["local"]
         assert synced["losses"] == pytest.approx([pair[rank] for pair in reference], rel=1e-5)
         assert alone["losses"] == pytest.approx(synced["losses"], rel=1e-5)
+        # recompute="auto": no reading at step 0; at steps 1 and 3 one rank's micro-batch is longer than any
+        # its readings covered, so the group keeps nothing; at step 2 both keep every layer.
+        assert ranks[rank]["keep"]["kept"] == [0, 0, every, 0]
+        assert ranks[rank]["keep"]["losses"] == pytest.approx([pair[rank] for pair in reference], rel=1e-5)
         # Over a gloo side group made at attach: the same levels and the same losses, every collective on it.
         side = result["side"]
         assert side["levels"] == synced["levels"] and side["step_bytes"] == synced["step_bytes"]

@@ -225,3 +225,28 @@ def test_python_dash_m_runs_the_command(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["saved_bytes"] == 4 * 1024 * 64 * 4
+
+
+def test_keep_figures_one_layers_activations_and_how_many_layers_could_keep(tmp_path, capsys):
+    from autooffload.decide.activations import LayerShape
+
+    argv = [str(qwen3_8b(tmp_path)), "--seq", "8192", "--device-memory", "80", "--other-memory", "20", "--json"]
+    code, out, _ = run(argv, capsys)
+    result = json.loads(out)
+    layer = LayerShape(4096, 12288, 32, 8, 128, 2)  # head_dim from hidden / heads: the config has none
+    kept = round(layer.bytes(8192, 8192))
+    assert code == 0
+    assert result["kept_layer_bytes"] == kept
+    assert result["layer_activation_bytes"] == kept + 8192 * 4096 * 2
+    room = 0.9 * 80 * GIB - 20 * GIB - result["saved_bytes"]
+    assert result["keepable_layers"] == int(room // kept) < 36
+    code, out, _ = run([str(qwen3_8b(tmp_path)), "--seq", "8192", "--device-memory", "80"], capsys)
+    assert "36 of 36  under memory_high 0.9 of the device, after the saved inputs (upper bound)" in out
+    assert "one layer's full activations" in out
+
+
+def test_keep_figures_without_device_memory_are_unknown(capsys):
+    code, out, _ = run(["--layers", "2", "--hidden", "8", "--seq", "16", "--json"], capsys)
+    assert code == 0 and json.loads(out)["keepable_layers"] is None
+    code, _, err = run(["--layers", "2", "--hidden", "8", "--seq", "16", "--other-memory", "-1"], capsys)
+    assert code == 2 and "--other-memory: '-1' must be zero or positive" in err

@@ -91,3 +91,20 @@ def test_main_writes_table_json_and_plot(tmp_path):
     assert "| 8b-lora-24gb | short | predictive |" in (out / "simulate.md").read_text()
     pytest.importorskip("matplotlib")
     assert (out / "simulate.png").stat().st_size > 0
+
+
+def test_the_ladder_keeps_where_there_is_room_and_saves_recompute_time():
+    lengths = simulate.read_trace(simulate.FIXED_TRACE)
+    results = {
+        name: simulate.compare(simulate.SCENARIOS[name], "longtail", lengths, simulate.Calibration(), OPTIONS)
+        for name in ("8b-lora-24gb", "8b-fsdp-80gb")
+    }
+    for result in results.values():
+        rows = {row["policy"]: row for row in result["rows"]}
+        ladder, predictive = rows["ladder"], rows["predictive"]
+        # Keeping never costs a step: the same out-of-memory steps and bytes as the predictive policy alone.
+        assert (ladder["oom_steps"], ladder["bytes"]) == (predictive["oom_steps"], predictive["bytes"])
+        assert ladder["kept_share"] > 0 and ladder["time_vs_plain"] < predictive["time_vs_plain"]
+    roomy = {row["policy"]: row for row in results["8b-fsdp-80gb"]["rows"]}
+    assert roomy["never"]["time_vs_plain"] == 1.0  # plain checkpointing, nothing copied, nothing failed
+    assert roomy["ladder"]["kept_share"] > 0.8 and roomy["ladder"]["time_vs_plain"] < 0.9

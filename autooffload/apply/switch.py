@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..warn import WarnOnce
 from .host_memory import HostMemory
+from .keep import keep_function, measuring_keep_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
@@ -325,11 +326,14 @@ class LayerSlot:
 
 
 class CheckpointSwitch:
-    """Holds, for every layer of the text stack, the plain and the offloading checkpoint function, and installs
+    """Holds, for every layer of the text stack, the plain, the offloading and the keep function, and installs
     one of them.
 
-    ``apply(k)`` makes the first ``k`` layers of the text stack (in order: their inputs are saved earliest
-    and live longest) offload and the others not. The layers are the text stack's layer targets, or, for a
+    ``apply(k, keep)`` makes the first ``k`` layers of the text stack (in order: their inputs are saved earliest
+    and live longest) offload, the last ``keep`` run without checkpointing (:mod:`~autooffload.apply.keep`: a
+    container's call runs ``layer.__call__`` directly, a ``CheckpointWrapper`` its wrapped module) and the others
+    recompute. With ``measure``, the first kept layer counts what it saved and hands the bytes to
+    ``on_measured``. The layers are the text stack's layer targets, or, for a
     container target, its calls in one forward (:class:`LayerCalls`). Other stacks (a VLM's vision blocks)
     and outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`OffloadEngine`.
@@ -357,6 +361,15 @@ class CheckpointSwitch:
             self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
             for s in self.layers
         ]
+        self.on_measured: Callable[[int], None] | None = None
+        self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
+        self._keep_measured = [
+            self._tag(
+                measuring_keep_function(functools.partial(parameter_storages, [s.target.module]), self._measured),
+                s.target,
+            )
+            for s in self.layers
+        ]
         for target in targets:
             if target.kind == "container" and target.text:
                 calls = LayerCalls(target, self._plain[id(target)])
@@ -367,6 +380,8 @@ class CheckpointSwitch:
             else:
                 self._install(target, self._plain[id(target)])
         self.offloaded = -1
+        self.kept = 0
+        self.measuring = False
         self.apply(0)
 
     @staticmethod
@@ -375,19 +390,29 @@ class CheckpointSwitch:
         function._autooffload_kwargs = target.kwargs
         return function
 
-    def apply(self, k: int) -> None:
+    def apply(self, k: int, keep: int = 0, measure: bool = False) -> None:
         k = max(0, min(k, len(self.layers)))
-        if k == self.offloaded:
+        keep = max(0, min(keep, len(self.layers) - k))
+        measure = measure and keep > 0
+        if (k, keep, measure) == (self.offloaded, self.kept, self.measuring):
             return
+        first_kept = len(self.layers) - keep
         for position, slot in enumerate(self.layers):
-            function = self._offload[position] if position < k else self._plain[id(slot.target)]
+            if position >= first_kept:
+                function = (self._keep_measured if measure and position == first_kept else self._keep)[position]
+            else:
+                function = self._offload[position] if position < k else self._plain[id(slot.target)]
             calls = self._calls.get(id(slot.target))
             if calls is not None:
                 calls.functions[slot.index] = function
             else:
                 self._install(slot.target, function)
-        self.offloaded = k
+        self.offloaded, self.kept, self.measuring = k, keep, measure
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
+
+    def _measured(self, nbytes: int) -> None:
+        if self.on_measured is not None:
+            self.on_measured(nbytes)
 
     def new_forward(self) -> None:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
@@ -442,4 +467,4 @@ class CheckpointSwitch:
         """Put back the functions found at construction."""
         for target in self.targets:
             setattr(target.module, target.attribute, target.original)
-        self.offloaded = -1
+        self.offloaded, self.kept, self.measuring = -1, 0, False
