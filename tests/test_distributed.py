@@ -84,9 +84,9 @@ def fake_group(monkeypatch, group_level: int) -> list[int]:
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
 
     def group(values, group=None):
-        level, cap = values
+        level, *rest = values
         sent.append(level)
-        return [max(level, group_level), cap]
+        return [max(level, group_level), *rest]
 
     monkeypatch.setattr(distributed, "all_reduce_max", group)
     return sent
@@ -153,11 +153,11 @@ def test_the_group_runs_the_smallest_host_cap(monkeypatch):
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     # The other rank asks for no offload, but its host budget holds only one layer's input.
     monkeypatch.setattr(
-        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], -1]
+        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], -1, *values[2:]]
     )
     controller = attached(Settings(seq_high=200, seq_low=100, policy="hysteresis"))
     assert controller.before_forward(256, 256) == 1
-    assert sent == [[LAYERS, -LAYERS]]  # this rank: all layers, and its budget (the default) holds them all
+    assert sent == [[LAYERS, -LAYERS, 0]]  # this rank: all layers, its budget (the default) holds them all, keeps none
 
 
 def test_summary_names_the_worst_rank():
