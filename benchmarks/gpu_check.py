@@ -6,9 +6,9 @@
 GPU time is rare and brief, so one call must bring back everything and a call cut short must keep what
 finished. The parts run in order of value, each in its own process (a crash or an out-of-memory error in
 one cannot take the others down, and each starts with an empty device) with its own time budget inside the
-total (``--budget-s``, default 480 s: 8 minutes). Each part writes ``<part>.json`` into ``--out`` as soon as
-it ends; after every part ``gpu_check.json`` and ``gpu_check.md`` (the summary and one verdict per target)
-are rewritten, and ``gpu_check.log`` holds everything the parts printed. Eight files at most.
+total (``--budget-s``, default 480 s: 8 minutes). After every part ``gpu_check.json`` (every finished
+part's results) and ``gpu_check.md`` (the figures and one verdict per target) are rewritten in ``--out``, and
+``gpu_check.log`` holds everything the parts printed: three files, well inside what a device call brings back.
 
 1. ``engines``: the offload engines at 28 layers x hidden 2048 x 32k tokens (bf16, batch 1): bytes freed
    after the forward against the arithmetic (``sync``: every layer input; ``stream``: all but the last), and
@@ -18,9 +18,11 @@ are rewritten, and ``gpu_check.log`` holds everything the parts printed. Eight f
    plain checkpointing, ``always`` and ``auto``, interleaved step by step.
 3. ``memory_model``: the predictive policy's predicted peak before every step against the allocator's
    real peak of that step, on a trace of lengths it has partly not seen.
-4. ``probe``: NVML, the caching allocator and ``mem_get_info`` read side by side while a step fills,
+4. ``ladder``: ``benchmarks/ladder.py`` (no checkpointing, plain, ``recompute=always`` and ``auto`` side by
+   side, under a budget from the allocator): its targets, and whether a kept layer ever broke the budget.
+5. ``probe``: NVML, the caching allocator and ``mem_get_info`` read side by side while a step fills,
    frees, empties the cache and refills device memory (why the probe reads what it reads).
-5. ``smoke``: the distributed smoke test in its one-GPU form (``benchmarks/multi_gpu_smoke.py``'s FSDP2
+6. ``smoke``: the distributed smoke test in its one-GPU form (``benchmarks/multi_gpu_smoke.py``'s FSDP2
    part: torch's CheckpointWrapper under ``fully_shard``, the controller attached, bytes against the
    arithmetic).
 
@@ -39,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -51,8 +54,8 @@ for path in (str(ROOT), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-PARTS = ("engines", "mixed", "memory_model", "probe", "smoke")
-BUDGETS_S = {"engines": 170, "mixed": 90, "memory_model": 80, "probe": 30, "smoke": 70}
+PARTS = ("engines", "mixed", "memory_model", "ladder", "probe", "smoke")
+BUDGETS_S = {"engines": 150, "mixed": 75, "memory_model": 60, "ladder": 75, "probe": 25, "smoke": 55}
 START_UP_S = 40  # importing torch and transformers, building the model: outside a part's own clock
 MIN_PART_S = 20
 QUICK_PART_S = 600  # --quick checks the script, not the clock: no part is cut short for time
@@ -202,7 +205,6 @@ def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, An
     result["policy"] = type(controller.policy).__name__
     if isinstance(controller.policy, PredictivePolicy):
         result["samples"] = [list(sample) for sample in controller.policy.samples]
-    result["ladder"] = "not measured: the keep/recompute/offload ladder is not in this checkout"
     return result
 
 
@@ -210,7 +212,30 @@ def _gib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:.2f} GiB"
 
 
-# ---- 4. the probe ---------------------------------------------------------------------------------------
+# ---- 4. the ladder -------------------------------------------------------------------------------------
+
+
+def part_ladder(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
+    """``benchmarks/ladder.py``: no checkpointing, plain, ``recompute=always`` and ``auto`` side by side on its
+    three scenarios, under a budget from the allocator; its own targets are the verdicts."""
+    import tempfile
+
+    import ladder
+
+    with tempfile.TemporaryDirectory() as scratch:
+        args = ["--out", scratch, "--device", "cuda" if device.startswith("cuda") else "cpu"]
+        ladder.main([*args, "--quick"] if quick else args)
+        report = json.loads((Path(scratch) / "ladder.json").read_text())
+    verdicts = {}
+    for result in report["results"]:
+        verdicts[f"scenario_{result['scenario']}_safe"] = bool(result["safe"])
+        if not quick:
+            verdicts[f"scenario_{result['scenario']}_target_met"] = bool(result["met"])
+    emit("ladder: " + ", ".join(f"{k} {v}" for k, v in verdicts.items()))
+    return {"ladder": report, "verdicts": verdicts}
+
+
+# ---- 5. the probe ---------------------------------------------------------------------------------------
 
 
 def memory_readers(device: str) -> dict[str, Callable[[], int]]:
@@ -282,7 +307,7 @@ def part_probe(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     return {"bytes_filled": size, "phases": phases, "verdicts": verdicts}
 
 
-# ---- 5. the distributed smoke test, one GPU ---------------------------------------------------------------
+# ---- 6. the distributed smoke test, one GPU ---------------------------------------------------------------
 
 
 def part_smoke(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
@@ -300,6 +325,7 @@ RUNNERS: dict[str, Callable[[str, bool, float], dict[str, Any]]] = {
     "engines": part_engines,
     "mixed": part_mixed,
     "memory_model": part_memory_model,
+    "ladder": part_ladder,
     "probe": part_probe,
     "smoke": part_smoke,
 }
@@ -337,9 +363,10 @@ def run_part(part: str, options: argparse.Namespace, budget_s: float, log_path: 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("CUDA_LAUNCH_BLOCKING", None)  # the engines' races must be able to happen
-    command = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--out", str(options.out)]
+    scratch = Path(getattr(options, "scratch", None) or options.out)
+    command = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--out", str(scratch)]
     command += ["--device", options.device, "--budget-s", f"{budget_s:.0f}"] + (["--quick"] if options.quick else [])
-    result_file = options.out / f"{part}.json"
+    result_file = scratch / f"{part}.json"
     result_file.unlink(missing_ok=True)
     timeout = budget_s + START_UP_S
     started = time.perf_counter()
@@ -463,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = options.budget_s / 480.0
     log = options.out / "gpu_check.log"
     log.write_text("")
+    scratch = tempfile.TemporaryDirectory()  # the parts' own files: $OUT keeps three
+    options.scratch = scratch.name
     for part in PARTS:
         if part not in chosen:
             continue
@@ -477,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"environment": env, "parts": results}, indent=2, default=str)
         )
         (options.out / "gpu_check.md").write_text(summary(results, env))
+    scratch.cleanup()
     text = summary(results, env)
     print(text)
     verdicts = [ok for result in results.values() for ok in result.get("verdicts", {}).values()]

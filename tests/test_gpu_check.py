@@ -37,16 +37,14 @@ def test_quick_cpu_run_exercises_every_part(tmp_path):
         result.stdout[-3000:] + result.stderr[-3000:] + (report.read_text() if report.exists() else "")
     )
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == sorted(
-        [f"{part}.json" for part in gpu_check.PARTS] + ["gpu_check.json", "gpu_check.md", "gpu_check.log"]
-    )
-    assert len(files) <= 8  # what the device tool brings back from $OUT
+    assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]  # a device call brings back 8 at most
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
     assert set(parts) == set(gpu_check.PARTS)
     for name, part in parts.items():
         assert "error" not in part and "skipped" not in part, (name, part)
     assert parts["engines"]["verdicts"] == {"gradients_match_plain": True}
     assert parts["smoke"]["verdicts"] == {"fsdp2_bytes_match_arithmetic": True}
+    assert parts["ladder"]["verdicts"] == {f"scenario_{s}_safe": True for s in "abc"}
     compared = [row for row in parts["memory_model"]["rows"] if "real_over_predicted" in row]
     assert compared, "the memory model part compared no prediction with a reading"
     summary = (tmp_path / "gpu_check.md").read_text()
@@ -58,7 +56,7 @@ def test_a_part_that_overruns_is_killed_and_reported(tmp_path, monkeypatch):
     options = argparse.Namespace(out=tmp_path, device="cpu", quick=True)
     result = gpu_check.run_part("probe", options, 0.0, tmp_path / "gpu_check.log")
     assert result["error"].startswith("killed after")
-    assert json.loads((tmp_path / "probe.json").read_text())["error"].startswith("killed after")
+    assert json.loads((tmp_path / "probe.json").read_text())["error"].startswith("killed after")  # no --scratch
     assert "| probe | killed after" in gpu_check.summary({"probe": result}, {"device": "cpu"})
 
 
