@@ -47,6 +47,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import cpu_model
+
 import autooffload
 from autooffload import MemoryReading, OffloadController, Settings
 from autooffload.apply.keep import SavedBytesCounter
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=options.device,
-        device_name=name if options.device == "cuda" else f"{_cpu_model()}, 1 torch thread of {os.cpu_count()}",
+        device_name=name if options.device == "cuda" else f"{cpu_model()}, 1 torch thread of {os.cpu_count()}",
         torch=torch.__version__,
         transformers=transformers.__version__,
         python=platform.python_version(),
@@ -386,16 +389,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ladder: scenario {scenario} done", file=sys.stderr)
     print((options.out / "ladder.md").read_text())
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":
