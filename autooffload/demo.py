@@ -33,7 +33,10 @@ class MixedLengths(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def tiny_qwen3(layers: int = 4, hidden: int = 64, vocab_size: int = 256, seed: int = 0) -> torch.nn.Module:
+def tiny_qwen3(
+    layers: int = 4, hidden: int = 64, vocab_size: int = 256, seed: int = 0, **config: object
+) -> torch.nn.Module:
+    """A randomly initialised Qwen3 small enough for a CPU; ``config`` overrides its config's fields."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -46,6 +49,7 @@ def tiny_qwen3(layers: int = 4, hidden: int = 64, vocab_size: int = 256, seed: i
         head_dim=hidden // 4,
         use_cache=False,
         max_position_embeddings=4096,
+        **config,
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config)

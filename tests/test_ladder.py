@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import LAYERS, InOrderTrainer, dataset, expected_bytes, training_args
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, MemoryReading, OffloadController, Settings
 from autooffload.apply.keep import SavedBytesCounter
@@ -19,26 +18,13 @@ from autooffload.apply.offload import OffloadStats
 from autooffload.apply.switch import CheckpointSwitch, find_targets
 from autooffload.decide import ladder
 from autooffload.decide.activations import KeptLayerModel, LayerShape
+from autooffload.demo import tiny_qwen3
 
 HIDDEN = 64
 
 
 def qwen3(dropout: float = 0.1, attention: str = "sdpa", layers: int = LAYERS) -> torch.nn.Module:
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HIDDEN // 4,
-        use_cache=False,
-        attention_dropout=dropout,
-        attn_implementation=attention,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config)
+    return tiny_qwen3(layers, HIDDEN, 256, 0, attention_dropout=dropout, attn_implementation=attention)
 
 
 def checkpointed(net: torch.nn.Module) -> torch.nn.Module:
