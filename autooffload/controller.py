@@ -264,6 +264,9 @@ class OffloadController:
         self.logits_token_bytes, self.work_token_bytes = _token_terms(model)
         self.optimizer = optimizer if optimizer is not None else self.optimizer
         self.probe = self._make_probe(_model_devices(model))
+        watch = getattr(self.probe, "watch", None)
+        if callable(watch):  # a probe that counts the model itself (SimulatedDevice)
+            watch(model, lambda: self.optimizer)
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
             self._latch()
@@ -304,6 +307,9 @@ class OffloadController:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        unwatch = getattr(self.probe, "unwatch", None)
+        if callable(unwatch):
+            unwatch()
         if self.switch is not None:
             self.switch.close()
             if restore:
