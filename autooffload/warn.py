@@ -19,6 +19,7 @@ ANCHORS = {
     "no-probe": "no-probe",
     "probe-failed": "probe-failed",
     "probe-reset": "probe-reset",
+    "probe-watch": "probe-watch",
     "no-tokens": "no-tokens",
     "container-calls": "container-calls",
     "checkpointing-off": "checkpointing-off",

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import HIDDEN, LAYERS, VOCAB, model
 
-from autooffload import MemoryReading, OffloadController, Settings, SimulatedDevice
+from autooffload import AutoOffloadWarning, MemoryReading, OffloadController, Settings, SimulatedDevice
 from autooffload.history import read_history
 
 
@@ -20,7 +20,7 @@ def test_counts_parameters_gradients_optimizer_state_and_saved_activations():
     net[0].bias.requires_grad_(False)  # frozen: it has no gradient and no optimizer state
     optimizer = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     device = SimulatedDevice("1MiB")
-    device.watch(net, optimizer)
+    device.watch_model(net, optimizer)
     parameters = (8 * 16 + 16 + 16 * 4 + 4) * 4
     trainable = parameters - 16 * 4
     batch = 3
@@ -43,7 +43,7 @@ def test_counts_parameters_gradients_optimizer_state_and_saved_activations():
 def test_the_step_holds_its_largest_forward_and_no_grad_forwards_do_not_count():
     net = _small()
     device = SimulatedDevice(10**6)
-    device.watch(net)
+    device.watch_model(net)
     device.reset()
     assert device.read() is None  # no forward yet: nothing to say
     for batch in (5, 2):
@@ -51,7 +51,7 @@ def test_the_step_holds_its_largest_forward_and_no_grad_forwards_do_not_count():
     with torch.no_grad():
         net(torch.randn(50, 8))
     assert device.read().used_bytes - 2 * (8 * 16 + 16 + 16 * 4 + 4) * 4 == 5 * (8 + 16) * 4
-    device.unwatch()
+    device.unwatch_model()
     device.reset()
     net(torch.randn(7, 8)).sum().backward()
     assert device.read() is None  # unwatched: nothing counted
@@ -98,3 +98,19 @@ def test_the_demo_shows_partial_offload_keep_and_simulated_memory(tmp_path, caps
     assert (tmp_path / "autooffload" / "history.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "simulated device" in out and "history.png" in out
+
+
+def test_a_probe_that_cannot_watch_the_model_is_dropped_with_one_warning():
+    class Broken(SimulatedDevice):
+        def watch_model(self, model, optimizer=None):
+            raise RuntimeError("no")
+
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(Settings(), probe=Broken("1GiB"))
+    with pytest.warns(AutoOffloadWarning, match=r"watch_model failed .* \(see docs/troubleshooting.md#probe-watch\)"):
+        assert controller.attach(net)
+    ids = torch.randint(0, VOCAB, (1, 32))
+    net(input_ids=ids, labels=ids).loss.backward()
+    controller.end_step()
+    assert controller.probe is None and controller.memory_fraction is None

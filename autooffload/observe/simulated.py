@@ -47,7 +47,7 @@ def _size(value: int | str) -> int:
 class SimulatedDevice:
     """A device of ``total_bytes`` (an int, or a size such as ``"24MiB"``) that counts what a step would hold.
 
-    ``watch(model, optimizer)`` starts counting (the controller calls it at attach, for a probe that has it);
+    ``watch_model(model, optimizer)`` starts counting (the controller calls it at attach, for a probe that has it);
     ``reset()`` starts a step; ``read()`` returns the step's :class:`MemoryReading`, None before any forward.
     ``last`` holds the parts of the last reading (parameters, gradients, optimizer, activations), in bytes.
     """
@@ -63,10 +63,10 @@ class SimulatedDevice:
         self._optimizer_bytes = 0
         self._activations: int | None = None
 
-    def watch(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+    def watch_model(self, model: torch.nn.Module, optimizer: Any = None) -> None:
         """Count ``model``'s forwards from now on. ``optimizer``: the run's optimizer, or a function that
         returns it (it may exist only later, as under Trainer), whose state is counted at each step's start."""
-        self.unwatch()
+        self.unwatch_model()
         self._model = model
         self._optimizer = optimizer if _is_getter(optimizer) else lambda: optimizer
         self._handles = [
@@ -74,7 +74,7 @@ class SimulatedDevice:
             model.register_forward_hook(self._exit, always_call=True),
         ]
 
-    def unwatch(self) -> None:
+    def unwatch_model(self) -> None:
         """Stop counting (the controller calls it at detach)."""
         for handle in self._handles:
             handle.remove()
