@@ -6,6 +6,7 @@ from .controller import OffloadController
 from .decide.policy import HysteresisPolicy, Observation, Policy
 from .decide.predictive import PredictivePolicy
 from .observe.probe import MemoryProbe, MemoryReading, NvmlProbe, ProbeUnavailable, ScriptedProbe
+from .observe.simulated import SimulatedDevice
 from .rescue import Rescue
 from .settings import Settings, SettingsError
 from .warn import AutoOffloadWarning
@@ -29,6 +30,7 @@ __all__ = [
     "ScriptedProbe",
     "Settings",
     "SettingsError",
+    "SimulatedDevice",
     "attach",
 ]
 

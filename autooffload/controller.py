@@ -264,6 +264,7 @@ class OffloadController:
         self.logits_token_bytes, self.work_token_bytes = _token_terms(model)
         self.optimizer = optimizer if optimizer is not None else self.optimizer
         self.probe = self._make_probe(_model_devices(model))
+        self._watch_model(model)
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
             self._latch()
@@ -304,6 +305,9 @@ class OffloadController:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        unwatch = getattr(self.probe, "unwatch_model", None)
+        if callable(unwatch):
+            unwatch()
         if self.switch is not None:
             self.switch.close()
             if restore:
@@ -354,6 +358,18 @@ class OffloadController:
         logger.debug(
             "autooffload: checkpoint functions replaced from outside; %d layer(s) now", len(self.switch.layers)
         )
+
+    def _watch_model(self, model: torch.nn.Module) -> None:
+        """Hand the model to a probe that counts it itself (``watch_model``: SimulatedDevice); one that fails
+        to take it is dropped, with a warning, and training goes on without memory readings."""
+        watch = getattr(self.probe, "watch_model", None)
+        if not callable(watch):
+            return
+        try:
+            watch(model, lambda: self.optimizer)
+        except Exception as error:
+            self.warn("probe-watch", f"memory probe watch_model failed ({error!r}); no memory reading from it")
+            self.probe = None
 
     def _make_probe(self, devices: list[torch.device]) -> MemoryProbe | None:
         if self.probe_choice != "auto":

@@ -1,10 +1,17 @@
 """``autooffload demo``: train a tiny random Qwen3 through Trainer on mixed lengths and show each decision.
 
-Runs anywhere (CPU included) in a few seconds. Per optimizer step it prints, from the history the callback
-wrote (``<output_dir>/autooffload/history.jsonl``), the micro-batch's sequence length, the layers it
-offloaded and why, the bytes the hooks moved, and the arithmetic they must equal: offloaded layers x batch
-x seq x hidden x dtype-bytes; then it draws the history (``history.png`` next to it) where matplotlib is
-installed.
+Runs anywhere (CPU included) in well under a minute. A CPU has no memory reading, so the demo gives the
+controller a simulated device (:class:`~autooffload.observe.simulated.SimulatedDevice`): it counts what a
+device would hold in each step (parameters, gradients, optimizer state and the activations saved for backward)
+against a stated size, small enough that the long micro-batches do not fit with every layer recomputing. On it
+the same run shows what autooffload is for: short micro-batches keep some layers (no recompute) where there is
+room, long ones offload only as many layers as bring the predicted peak under ``memory_high`` (``k of L``),
+and the ones in between run plain checkpointing.
+
+Per optimizer step it prints, from the history the callback wrote (``<output_dir>/autooffload/history.jsonl``),
+the sequence length, the simulated memory reading and the predicted peak, the layers offloaded and kept and
+why, the bytes the hooks moved, and the arithmetic they must equal: offloaded layers x seq x hidden x 4;
+then it draws the history (``history.png`` next to it) where matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -64,11 +71,15 @@ def checkpointing_arguments(offload: object = "auto") -> dict[str, object]:
     return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"offload": offload}}
 
 
+LAYERS, HIDDEN, VOCAB = 4, 64, 256
+# Mostly short micro-batches, a few long ones, and some in between, in a fixed order.
+LENGTHS = [64, 64, 64, 512, 64, 64, 256, 512, 64, 64, 384, 64, 512, 64, 64, 64]
+DEVICE_BYTES = 4_650_000  # the simulated device: a 512-token micro-batch does not fit with every layer recomputing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autooffload demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-high", type=int, default=256, help="sequence length that turns offload on")
-    parser.add_argument("--seq-low", type=int, default=128, help="sequence length below which it may turn off")
-    parser.add_argument("--min-steps", type=int, default=2, help="steps after a switch before it may turn off")
+    parser.add_argument("--device-bytes", type=int, default=DEVICE_BYTES, help="size of the simulated device")
     parser.add_argument("--output-dir", default="/tmp/autooffload-demo")
     options = parser.parse_args(argv)
 
@@ -76,59 +87,88 @@ def main(argv: list[str] | None = None) -> int:
 
     from .callback import AutoOffloadCallback
     from .history import read_history
+    from .observe.simulated import SimulatedDevice
 
     logging.getLogger("transformers.autooffload").setLevel(logging.INFO)
     warnings.simplefilter("ignore", FutureWarning)
-    layers, hidden = 4, 64
-    lengths = [64, 64, 512, 64, 64, 200, 64, 384, 512, 64, 64, 64]
-    model = tiny_qwen3(layers, hidden)
-    callback = AutoOffloadCallback(seq_high=options.seq_high, seq_low=options.seq_low, min_steps=options.min_steps)
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB)
+    device = SimulatedDevice(options.device_bytes)
+    # seq_high above every length: here the memory, not the sequence trigger, decides.
+    callback = AutoOffloadCallback(recompute="auto", seq_high=1024, seq_low=768, probe=device)
     controller = callback.controller
     args = TrainingArguments(
         output_dir=options.output_dir,
         per_device_train_batch_size=1,
-        max_steps=len(lengths),
+        max_steps=len(LENGTHS),
         learning_rate=1e-3,
         logging_steps=1,
         report_to=[],
         save_strategy="no",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=True,
         disable_tqdm=True,
         seed=0,
         **checkpointing_arguments("auto"),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=MixedLengths(lengths, 256), callbacks=[callback])
+
+    class InOrderTrainer(Trainer):
+        """Feeds the lengths in the order given, so the story reads step by step."""
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    trainer = InOrderTrainer(model=model, args=args, train_dataset=MixedLengths(LENGTHS, VOCAB), callbacks=[callback])
     trainer.train()
 
     assert callback.history_path is not None
     records = read_history(callback.history_path)
-    # The stream engine keeps the last checkpointed layer's input on the device.
-    last_kept = int(controller.settings.engine == "stream")
-    arithmetic = "offloaded layers x seq x hidden x 4"
-    print(f"\n{'step':>4} {'seq':>5} {'layers':>6} {'why':>12} {'bytes offloaded':>16} {arithmetic:>36}  ok")
-    ok = True
-    for record in records:
-        expected = sum(
-            (level - last_kept * (level == layers)) * tokens * hidden * 4
-            for level, tokens in zip(record["offloaded"], record["tokens"], strict=True)
-        )
-        ok &= record["bytes_moved"] == expected
-        print(
-            f"{record['step']:>4} {max(record['seq_lens']):>5} {max(record['offloaded']):>6} "
-            f"{record['reasons'][-1]:>12} {record['bytes_moved']:>16,} {expected:>36,}  "
-            f"{'yes' if record['bytes_moved'] == expected else 'NO'}"
-        )
+    print(
+        f"\nsimulated device: {device.total_bytes:,} bytes (SimulatedDevice); memory_high "
+        f"{controller.settings.memory_high}; {LAYERS} checkpointed layers"
+    )
+    print(report(records, LAYERS, HIDDEN))
     print(controller.summary())
     print(f"history: {callback.history_path}")
-    _plot(records, callback.history_path.with_suffix(".png"), args.device.type)
-    return 0 if ok else 1
+    _plot(records, callback.history_path.with_suffix(".png"), device.total_bytes)
+    return 0 if all(moved_as_arithmetic(r, HIDDEN) for r in records) else 1
 
 
-def _plot(records: list[dict], out: Path, device: str) -> None:
+def moved_as_arithmetic(record: dict, hidden: int) -> bool:
+    """The bytes the hooks moved equal offloaded layers x tokens x hidden x 4 (fp32), micro-batch by micro-batch."""
+    return record["bytes_moved"] == arithmetic(record, hidden)
+
+
+def arithmetic(record: dict, hidden: int) -> int:
+    return sum(level * tokens * hidden * 4 for level, tokens in zip(record["offloaded"], record["tokens"], strict=True))
+
+
+def report(records: list[dict], layers: int, hidden: int) -> str:
+    """One line per optimizer step: what the controller saw, decided and moved."""
+
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
+    lines = [
+        f"{'step':>4} {'seq':>4} {'memory':>6} {'predicted':>9} {'offload':>7} {'keep':>5} {'why':>16} "
+        f"{'bytes offloaded':>15} {'= layers x seq x hidden x 4':>27}"
+    ]
+    for r in records:
+        predicted = (
+            r["predicted_peak_bytes"] / r["total_bytes"] if r["predicted_peak_bytes"] and r["total_bytes"] else None
+        )
+        expected = arithmetic(r, hidden)
+        lines.append(
+            f"{r['step']:>4} {max(r['seq_lens']):>4} {percent(r['memory_fraction']):>6} {percent(predicted):>9} "
+            f"{max(r['offloaded']):>3} of {layers} {max(r['kept'] or [0]):>5} {r['reasons'][-1]:>16} "
+            f"{r['bytes_moved']:>15,} {expected:>23,} {'ok' if r['bytes_moved'] == expected else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(records: list[dict], out: Path, total_bytes: int) -> None:
     from .plot import EXTRA_HINT, draw
 
-    title = f"autooffload demo: tiny Qwen3, mixed lengths, {device.upper()}"
+    title = f"autooffload demo: tiny Qwen3 on a CPU, mixed lengths, simulated device of {total_bytes / 2**20:.1f} MiB"
     try:
-        print(f"plot:    {draw(records, out, title=title)}")
+        print(f"plot:    {draw(records, out, title=title, memory_label='simulated memory fraction')}")
     except ImportError:
         print(f"plot:    skipped ({EXTRA_HINT})")

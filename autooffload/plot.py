@@ -45,8 +45,12 @@ def find_history(path: str | Path, rank: int | None = None) -> Path:
     raise HistoryError(f"no {' or '.join(names)} in {path} or {path / HISTORY_DIR}")
 
 
-def draw(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
-    """Draw the timeline of ``records`` into the PNG ``out``. Raises ImportError without matplotlib."""
+def draw(
+    records: list[dict[str, Any]], out: str | Path, title: str = "", memory_label: str = "memory fraction"
+) -> Path:
+    """Draw the timeline of ``records`` into the PNG ``out``. Raises ImportError without matplotlib.
+
+    ``memory_label``: the memory panel's axis label (the demo's says its memory is simulated)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,7 +88,7 @@ def draw(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Pat
     else:
         mem_ax.text(0.5, 0.5, "no memory reading (no GPU or no probe)", ha="center", va="center",
                     transform=mem_ax.transAxes, color="gray")  # fmt: skip
-    mem_ax.set_ylabel("memory fraction")
+    mem_ax.set_ylabel(memory_label)
 
     kept_xs, kept = micro("kept")
     shift = 0.12 if kept else 0.0  # side by side where both are recorded
@@ -99,8 +103,10 @@ def draw(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Pat
                          label="switch (why)")  # fmt: skip
         for r in switched:
             why = (r.get("reasons") or ["?"])[-1]
-            level_ax.annotate(str(why), (r["step"], top), xytext=(4, -3), textcoords="offset points", fontsize=7)
-        level_ax.set_ylim(-0.5, top + 1)
+            level_ax.annotate(
+                str(why), (r["step"], top), xytext=(2, 2), textcoords="offset points", fontsize=7, rotation=35
+            )
+        level_ax.set_ylim(-0.5, top + 2.5)
     level_ax.set_ylabel("layers")
     level_ax.yaxis.get_major_locator().set_params(integer=True)
 

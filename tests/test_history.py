@@ -178,14 +178,3 @@ def test_plot_without_matplotlib_names_the_extra(hysteresis_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert err == "autooffload plot: error: matplotlib is needed to plot: pip install autooffload[plot]\n"
     assert not (tmp_path / "t.png").exists()
-
-
-def test_the_demo_writes_its_history_and_its_plot(tmp_path, capsys):
-    from autooffload.demo import main as demo
-
-    with pytest.warns(AutoOffloadWarning, match="no device memory reading"):  # a CPU
-        assert demo(["--output-dir", str(tmp_path)]) == 0
-    records = read_history(tmp_path / "autooffload" / "history.jsonl")
-    assert len(records) == 12 and {"seq_high", "dwell", "above_low", "below_low"} <= {r["reasons"][0] for r in records}
-    assert (tmp_path / "autooffload" / "history.png").read_bytes()[:4] == b"\x89PNG"
-    assert "history.png" in capsys.readouterr().out

@@ -1,0 +1,191 @@
+"""The documentation cannot go stale: its examples run, its links resolve, every warning has its section.
+
+Examples: every fenced ```python and ```bash block in README.md and docs/*.md runs, a page's blocks in order
+(a later block may use what an earlier one wrote), each in a fresh process from the repository root with this
+checkout first on the path. Two HTML comments on the line before a fence, invisible on a code host, change
+that: ``<!-- not-run: why -->`` (installs, long runs, a GPU) and ``<!-- needs: transformers>=5.23 -->`` (skipped
+on an older release). Other languages (```text, ```json) are output and are not run.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+from packaging.version import Version
+
+from autooffload.warn import ANCHORS, TROUBLESHOOTING, doc_link
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\s*$")
+MARKER = re.compile(r"^<!--\s*(not-run|needs):\s*(.*?)\s*-->\s*$")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@dataclasses.dataclass
+class Block:
+    page: Path
+    line: int
+    language: str
+    code: str
+    marker: tuple[str, str] | None
+
+
+def blocks(page: Path) -> list[Block]:
+    found, lines = [], page.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        marker = MARKER.match(lines[i - 1]) if i > 0 else None
+        found.append(
+            Block(page, i + 1, match.group(1), "\n".join(lines[i + 1 : end]) + "\n", marker and marker.groups())
+        )
+        i = end + 1
+    return found
+
+
+def runnable(block: Block) -> bool:
+    return block.language in ("python", "bash") and (block.marker is None or block.marker[0] != "not-run")
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOOFFLOAD_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning"
+    return env
+
+
+def _needs_met(block: Block) -> bool:
+    if block.marker is None or block.marker[0] != "needs":
+        return True
+    name, minimum = block.marker[1].split(">=")
+    assert name.strip() == "transformers", f"{block.page.name}:{block.line}: unknown requirement {block.marker[1]}"
+    return Version(transformers.__version__) >= Version(minimum.strip())
+
+
+def _slug(heading: str) -> str:
+    """The anchor a code host gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_example_on_the_page_runs(page):
+    ran = 0
+    for block in filter(runnable, blocks(page)):
+        if not _needs_met(block):
+            continue
+        command = [sys.executable, "-c", block.code]
+        if block.language == "bash":
+            command = ["bash", "-euo", "pipefail", "-c", block.code]
+        done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600)
+        where = f"{page.relative_to(ROOT)}:{block.line} ({block.language})"
+        assert done.returncode == 0, (
+            f"{where} failed:\n{block.code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+        )
+        ran += 1
+    if ran == 0:
+        pytest.skip("no runnable example on this page (or none for this transformers release)")
+
+
+def test_every_skipped_example_says_why():
+    for page in PAGES:
+        for block in blocks(page):
+            if block.marker is not None:
+                assert block.marker[1], f"{page.name}:{block.line}: a marker without a reason"
+            assert block.language, f"{page.name}:{block.line}: a fence without a language (python, bash, text, ...)"
+
+
+def test_long_commands_are_not_run():
+    """./dev, the sweep and the GPU check take minutes to hours: their blocks must be marked not-run."""
+    slow = re.compile(r"\./dev |gpu_check\.py|conformance\.py|bench\.py|ladder\.py|simulate\.py|pip install")
+    for page in PAGES:
+        for block in filter(runnable, blocks(page)):
+            assert not slow.search(block.code), f"{page.name}:{block.line}: mark this block <!-- not-run: why -->"
+
+
+def test_relative_links_and_anchors_resolve():
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for match in LINK.finditer(text):
+            target = match.group(1) or match.group(2)
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            assert resolved.exists(), f"{page.relative_to(ROOT)}: link to {target}: no such file"
+            if anchor and resolved.suffix == ".md":
+                assert anchor in anchors(resolved), f"{page.relative_to(ROOT)}: link to {target}: no such heading"
+
+
+def test_files_named_in_the_docs_exist():
+    """Paths in backticks (`autooffload/...`, `benchmarks/...`, `tests/...`, `examples/...`) name real files
+    and folders (a folder ends with "/")."""
+    top = "autooffload|benchmarks|tests|examples|docs"
+    named = re.compile(rf"`((?:{top})/(?:[\w./-]+\.(?:py|md|txt|png|json)|[\w./-]*/))`")
+    for page in PAGES:
+        for path in named.findall(page.read_text(encoding="utf-8")):
+            assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
+
+
+def _warning_keys() -> set[str]:
+    """Every key autooffload warns with: the first argument of a ``warn(...)`` call, and the keys
+    ``apply/paths.py`` hands back with its messages (the part before ":" of keys that name a module)."""
+    keys = set()
+    for path in (ROOT / "autooffload").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            first = None
+            if isinstance(node, ast.Call) and node.args:
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                of_warnings = isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "warnings"
+                returned = path.name == "paths.py" and name == "append" and isinstance(node.args[0], ast.Tuple)
+                if (name == "warn" and not of_warnings) or returned:
+                    first = node.args[0].elts[0] if isinstance(node.args[0], ast.Tuple) else node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                keys.add(first.value.split(":")[0])
+            elif isinstance(first, ast.JoinedStr) and isinstance(first.values[0], ast.Constant):
+                keys.add(str(first.values[0].value).split(":")[0])
+    return keys
+
+
+def test_every_warning_names_a_section_of_troubleshooting_that_exists():
+    keys = _warning_keys()
+    assert {"no-probe", "container-calls", "unknown", "offload-wrapper", "host-budget", "rescue-off"} <= keys
+    sections = anchors(ROOT / TROUBLESHOOTING)
+    missing = sorted(key for key in keys if doc_link(key) is None)
+    assert not missing, f"warning keys without a section in {TROUBLESHOOTING}: add them to warn.ANCHORS: {missing}"
+    broken = sorted(f"{key} -> {anchor}" for key, anchor in ANCHORS.items() if anchor not in sections)
+    assert not broken, f"anchors missing from {TROUBLESHOOTING}: {broken}"
+
+
+def test_a_warning_ends_with_its_section(recwarn):
+    from autooffload.warn import AutoOffloadWarning, WarnOnce
+
+    warn = WarnOnce()
+    assert warn("container-calls:model.layers", "too many calls")
+    assert not warn("container-calls:model.layers", "too many calls")
+    warn("a-key-without-a-section", "plain")
+    messages = [str(w.message) for w in recwarn.list if w.category is AutoOffloadWarning]
+    assert messages == [
+        "autooffload: too many calls (see docs/troubleshooting.md#container-calls)",
+        "autooffload: plain",
+    ]

@@ -1,0 +1,116 @@
+"""The simulated device counts what a device would hold, and the demo shows what autooffload is for on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HIDDEN, LAYERS, VOCAB, model
+
+from autooffload import AutoOffloadWarning, MemoryReading, OffloadController, Settings, SimulatedDevice
+from autooffload.history import read_history
+
+
+def _small() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_counts_parameters_gradients_optimizer_state_and_saved_activations():
+    net = _small()
+    net[0].bias.requires_grad_(False)  # frozen: it has no gradient and no optimizer state
+    optimizer = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    device = SimulatedDevice("1MiB")
+    device.watch_model(net, optimizer)
+    parameters = (8 * 16 + 16 + 16 * 4 + 4) * 4
+    trainable = parameters - 16 * 4
+    batch = 3
+    # Saved for backward: the first Linear's input (for its weight's gradient) and the ReLU's output (which the
+    # second Linear saves too: one storage, counted once); the weights are parameters, not counted.
+    activations = batch * 8 * 4 + batch * 16 * 4
+    readings = []
+    for _ in range(2):
+        device.reset()
+        net(torch.randn(batch, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        readings.append(device.read())
+    # The momentum buffers exist only after the first step(): the second step holds them.
+    assert readings[0] == MemoryReading(parameters + trainable + activations, 2**20)
+    assert readings[1] == MemoryReading(parameters + trainable + trainable + activations, 2**20)
+    assert device.last == dict(parameters=parameters, gradients=trainable, optimizer=trainable, activations=activations)
+
+
+def test_the_step_holds_its_largest_forward_and_no_grad_forwards_do_not_count():
+    net = _small()
+    device = SimulatedDevice(10**6)
+    device.watch_model(net)
+    device.reset()
+    assert device.read() is None  # no forward yet: nothing to say
+    for batch in (5, 2):
+        net(torch.randn(batch, 8)).sum().backward()
+    with torch.no_grad():
+        net(torch.randn(50, 8))
+    assert device.read().used_bytes - 2 * (8 * 16 + 16 + 16 * 4 + 4) * 4 == 5 * (8 + 16) * 4
+    device.unwatch_model()
+    device.reset()
+    net(torch.randn(7, 8)).sum().backward()
+    assert device.read() is None  # unwatched: nothing counted
+
+
+def test_offloaded_inputs_leave_the_simulated_device_exactly():
+    """Through the controller: with every layer offloaded the reading is lower by layers x seq x hidden x 4."""
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.train()
+    seq = 128
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+    used = {}
+    for mode in ("off", "on"):
+        device = SimulatedDevice("1GiB")
+        controller = OffloadController(Settings(mode=mode), probe=device)
+        controller.attach(net)
+        controller.begin_step()
+        net(input_ids=ids, labels=ids).loss.backward()
+        controller.end_step()
+        used[mode] = controller.memory_bytes
+        controller.detach()
+        net.zero_grad(set_to_none=True)
+    assert used["off"] - used["on"] == LAYERS * seq * HIDDEN * 4
+
+
+@pytest.mark.parametrize("size", [0, -5, "0.5", "lots", True])
+def test_a_size_that_is_not_one_is_refused(size):
+    with pytest.raises(ValueError, match="SimulatedDevice size"):
+        SimulatedDevice(size)
+
+
+def test_the_demo_shows_partial_offload_keep_and_simulated_memory(tmp_path, capsys):
+    from autooffload.demo import main as demo
+
+    assert demo(["--output-dir", str(tmp_path)]) == 0  # 0: every step's bytes equal the arithmetic
+    records = read_history(tmp_path / "autooffload" / "history.jsonl")
+    assert all(r["memory_fraction"] is not None for r in records)
+    assert any(0 < level < LAYERS for r in records for level in r["offloaded"])  # k of L
+    assert any(kept > 0 for r in records for kept in r["kept"])  # keep where there is room
+    high = records[0]["memory_high"]
+    assert any(r["predicted_peak_bytes"] / r["total_bytes"] > high for r in records if r["predicted_peak_bytes"])
+    assert all(r["memory_fraction"] <= high for r in records)  # the plan keeps the simulated device under it
+    assert (tmp_path / "autooffload" / "history.png").read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "simulated device" in out and "history.png" in out
+
+
+def test_a_probe_that_cannot_watch_the_model_is_dropped_with_one_warning():
+    class Broken(SimulatedDevice):
+        def watch_model(self, model, optimizer=None):
+            raise RuntimeError("no")
+
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(Settings(), probe=Broken("1GiB"))
+    with pytest.warns(AutoOffloadWarning, match=r"watch_model failed .* \(see docs/troubleshooting.md#probe-watch\)"):
+        assert controller.attach(net)
+    ids = torch.randint(0, VOCAB, (1, 32))
+    net(input_ids=ids, labels=ids).loss.backward()
+    controller.end_step()
+    assert controller.probe is None and controller.memory_fraction is None
