@@ -332,6 +332,21 @@ class OffloadController:
             return
         self._rebuild()
 
+    def _repair_for_no_grad(self) -> None:
+        """Before a train-mode forward without gradients: follow what is installed, but decide and count nothing.
+
+        TRL's KTO trainer runs its KL forward so, right after the reference forward's toggle, and transformers
+        before 5.24 checkpoints such forwards too: the functions the toggle installed (``offload`` key and all)
+        would run. While every target has checkpointing off (a reference forward inside the toggle) nothing runs
+        a checkpoint function, so nothing is rebuilt and the level stays as the last training forward left it.
+        """
+        if self.switch is None:
+            return
+        targets = self.switch.targets
+        if targets and all(getattr(t.module, "gradient_checkpointing", True) is False for t in targets):
+            return
+        self._follow_installed()
+
     def _rebuild(self) -> None:
         assert self.switch is not None and self._model is not None
         targets, unknown = find_targets(self._model)
@@ -375,7 +390,10 @@ class OffloadController:
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.switch is not None:
             self.switch.new_forward()
-        if not module.training or not torch.is_grad_enabled():
+        if not module.training:
+            return
+        if not torch.is_grad_enabled():
+            self._repair_for_no_grad()
             return
         shape = token_shape(args, kwargs)
         if shape is None:
