@@ -251,7 +251,8 @@ class OffloadController:
             self.warn(key, message)
         self._join_ranks(bool(targets))
         if not targets:
-            self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
+            if not unknown:  # otherwise checkpointing is on, and the warning above named the function it runs
+                self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
         if self.host.budget_bytes is None:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
@@ -355,6 +356,7 @@ class OffloadController:
         if not targets:
             watched = [(t.module, t.attribute) for t in self.switch.targets] or [(m, a) for m, a, _ in self._dormant]
             self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched]
+        if not targets and not unknown:
             self.warn(
                 "checkpointing-off",
                 "checkpointing was turned off during training, so nothing is offloaded and autooffload reports "
