@@ -1,12 +1,14 @@
 """Training frameworks that cannot share the suite's environment, through the real Trainer on a tiny Qwen3.
 
 LLaMA-Factory 0.9.5 pins transformers <= 5.6: a stand-in reproduces how it wires checkpointing, and the run with
-autooffload must equal the run without it, bit for bit, with the bytes moved equal to the arithmetic.
+autooffload must equal the run without it, bit for bit, with the bytes moved equal to the arithmetic. axolotl
+0.21 needs Python >= 3.12: its plugin's hooks are called here the way axolotl calls them.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 
 import pytest
@@ -18,7 +20,7 @@ from test_layers import gemma2
 from torch.utils.checkpoint import checkpoint
 from transformers import TrainerCallback
 
-from autooffload import AutoOffloadCallback, AutoOffloadWarning
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, SettingsError
 
 # From transformers 5.23 a checkpointed layer hands ``partial(forward, layer)`` to the checkpoint function, with no
 # ``__self__`` to find the layer by; LLaMA-Factory 0.9.5 (transformers <= 5.6) reads it from ``__call__``'s.
@@ -185,3 +187,87 @@ def test_a_wrapper_of_a_foreign_function_gets_one_warning_naming_both(tmp_path):
     assert "leaves 5 module(s) as they are" in warned[0]  # the model and its 4 layers
     assert net.model.layers[0]._gradient_checkpointing_func.__wrapped__ is recompute_nothing
     assert callback.controller.stats.total_bytes == 0
+
+
+# ---- axolotl: the plugin, its hooks called as axolotl (0.21) calls them --------------------------------------
+
+PLUGIN = "autooffload.integrations.axolotl.AutoOffloadPlugin"
+
+
+def load_plugin(name: str = PLUGIN):
+    """What axolotl's ``load_plugin`` does with a name from ``plugins:``: import the module, make the class."""
+    module_name, class_name = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module_name), class_name)()
+
+
+def axolotl_run(tmp_path, cfg: dict, lengths=(64, 96)):
+    """axolotl's order: ``register(cfg)`` at config load, ``add_callbacks_pre_trainer(cfg, model)`` into
+    Trainer's callbacks, ``post_trainer_create(cfg, trainer)``, then ``train()``. Returns (trainer, bytes per step)."""
+    plugin = load_plugin()
+    plugin.register(cfg)
+    net = model()
+    callbacks = plugin.add_callbacks_pre_trainer(cfg, net)
+    args = training_args(tmp_path, len(lengths), offload=None)  # axolotl: gradient_checkpointing: true
+    trainer = InOrderTrainer(model=net, args=args, train_dataset=dataset(list(lengths)), callbacks=callbacks)
+    plugin.post_trainer_create(cfg, trainer)
+    ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)]
+    moved = Moved(ours[0]) if ours else None
+    if moved is not None:
+        trainer.add_callback(moved)
+    trainer.train()
+    return trainer, ours, moved.rows if moved is not None else None
+
+
+@pytest.mark.parametrize("value", [None, False])
+def test_axolotl_plugin_does_nothing_unless_its_key_asks(tmp_path, value):
+    cfg = {"gradient_checkpointing": True} if value is None else {"autooffload": value, "gradient_checkpointing": True}
+    trainer, ours, _ = axolotl_run(tmp_path, cfg, lengths=[64])
+    assert ours == []
+    assert "training_step" not in vars(trainer)  # no rescue either
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [(True, "auto"), ("on", "on"), ({"mode": True, "engine": "sync"}, "on")],  # YAML reads a bare on as True
+)
+def test_axolotl_plugin_trains_with_the_settings_and_the_rescue(tmp_path, value, mode):
+    trainer, ours, moved = axolotl_run(tmp_path, {"autooffload": value, "gradient_checkpointing": True})
+    assert len(ours) == 1 and ours[0].controller.settings.mode == mode
+    assert moved == ([expected_bytes(s) for s in (64, 96)] if mode == "on" else [0, 0])
+    assert getattr(trainer.training_step, "_autooffload_rescue", False)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("sometimes", "autooffload: AUTOOFFLOAD_MODE='sometimes' is not allowed"),
+        ({"seq_hi": 4096}, r"unknown setting\(s\) \['seq_hi'\]"),
+        (3, "3 is not a mode, true or a mapping of settings"),
+    ],
+)
+def test_axolotl_plugin_rejects_a_bad_setting_when_axolotl_registers_it(value, error):
+    with pytest.raises(SettingsError, match=error):
+        load_plugin().register({"autooffload": value})
+
+
+def test_axolotl_plugin_stays_out_of_axolotls_own_activation_offloading():
+    with pytest.warns(AutoOffloadWarning, match="axolotl's activation_offloading moves every activation") as caught:
+        callbacks = load_plugin().add_callbacks_pre_trainer(
+            {"autooffload": "auto", "activation_offloading": True}, None
+        )
+    assert callbacks == [] and len(caught) == 1
+
+
+def test_axolotl_plugin_key_survives_axolotls_config_validation():
+    import pydantic
+
+    class AxolotlInputConfig(pydantic.BaseModel):  # stands for axolotl's schema: unknown keys are dropped
+        gradient_checkpointing: bool | None = None
+
+    plugin = load_plugin()
+    module_name, class_name = plugin.get_input_args().rsplit(".", 1)
+    merged = type("Merged", (AxolotlInputConfig, getattr(importlib.import_module(module_name), class_name)), {})
+    raw = {"gradient_checkpointing": True, "autooffload": {"mode": "auto", "seq_high": 4096}}
+    assert "autooffload" not in AxolotlInputConfig(**raw).model_dump(exclude_none=True)
+    assert merged(**raw).model_dump(exclude_none=True)["autooffload"] == {"mode": "auto", "seq_high": 4096}
+    assert merged(autooffload="auto").model_dump(exclude_none=True)["autooffload"] == "auto"
