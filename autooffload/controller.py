@@ -251,7 +251,8 @@ class OffloadController:
             self.warn(key, message)
         self._join_ranks(bool(targets))
         if not targets:
-            self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
+            if not unknown:  # otherwise checkpointing is on, and the warning above named the function it runs
+                self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
         if self.host.budget_bytes is None:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
@@ -336,6 +337,21 @@ class OffloadController:
             return
         self._rebuild()
 
+    def _repair_for_no_grad(self) -> None:
+        """Before a train-mode forward without gradients: follow what is installed, but decide and count nothing.
+
+        TRL's KTO trainer runs its KL forward so, right after the reference forward's toggle, and transformers
+        before 5.24 checkpoints such forwards too: the functions the toggle installed (``offload`` key and all)
+        would run. While every target has checkpointing off (a reference forward inside the toggle) nothing runs
+        a checkpoint function, so nothing is rebuilt and the level stays as the last training forward left it.
+        """
+        if self.switch is None:
+            return
+        targets = self.switch.targets
+        if targets and all(getattr(t.module, "gradient_checkpointing", True) is False for t in targets):
+            return
+        self._follow_installed()
+
     def _rebuild(self) -> None:
         assert self.switch is not None and self._model is not None
         targets, unknown = find_targets(self._model)
@@ -344,6 +360,7 @@ class OffloadController:
         if not targets:
             watched = [(t.module, t.attribute) for t in self.switch.targets] or [(m, a) for m, a, _ in self._dormant]
             self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched]
+        if not targets and not unknown:
             self.warn(
                 "checkpointing-off",
                 "checkpointing was turned off during training, so nothing is offloaded and autooffload reports "
@@ -391,7 +408,10 @@ class OffloadController:
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.switch is not None:
             self.switch.new_forward()
-        if not module.training or not torch.is_grad_enabled():
+        if not module.training:
+            return
+        if not torch.is_grad_enabled():
+            self._repair_for_no_grad()
             return
         shape = token_shape(args, kwargs)
         if shape is None:

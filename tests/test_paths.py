@@ -100,7 +100,7 @@ def test_deepspeed_checkpoint_function_gets_one_warning_naming_it():
         warnings.simplefilter("always")
         assert not controller.attach(net)
     ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
-    assert len(ours) == 2 and "no checkpointed layers found" in ours[1]
+    assert len(ours) == 1  # checkpointing is on: no "enable checkpointing first" after it
     assert "DeepSpeed's activation checkpointing (deepspeed.runtime.activation_checkpointing" in ours[0]
     assert f"leaves {LAYERS + 1} module(s) as they are" in ours[0]
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import datasets
 import peft
 import pytest
@@ -11,7 +13,9 @@ import trl
 from conftest import NEW_NAMES, InOrderTrainer, dataset, expected_bytes, model, training_args
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
-from autooffload import AutoOffloadCallback
+from autooffload import AutoOffloadCallback, AutoOffloadWarning
+from autooffload.callback import checkpointing_kwargs
+from autooffload.history import read_history
 
 PREFIX = "activation" if NEW_NAMES else "gradient"
 
@@ -165,3 +169,129 @@ def test_lora_first_layer_input_is_offloaded_by_both_engines(tmp_path, engine):
     InOrderTrainer(model=net, args=args, train_dataset=dataset([64, 96, 80]), callbacks=[callback, recorder]).train()
     assert all(x.is_leaf and x.requires_grad for x in first_inputs)  # what enable_input_require_grads() makes
     assert [moved for *_, moved in recorder.rows] == [expected_bytes(s, layers=1) for s in (64, 96, 80)]
+
+
+# ---- KTO: a no-grad forward of the policy in train mode after checkpointing was re-enabled -------------
+
+
+class KtoOrder(InOrderTrainer):
+    """``compute_loss`` in the order of TRL's KTOTrainer: the KL forward (the policy, in train mode, under
+    ``torch.no_grad()``), the forward that trains, then the reference forward between
+    ``gradient_checkpointing_disable()`` and ``gradient_checkpointing_enable(kwargs)``, which puts transformers'
+    own functions back with the user's kwargs (``offload`` included). The next step's no-grad forward runs
+    those unless something repairs them first."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with torch.no_grad():
+            model(input_ids=inputs["input_ids"])
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        model.gradient_checkpointing_disable()
+        with torch.no_grad():
+            model(input_ids=inputs["input_ids"])
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(self.args))
+        return loss
+
+
+def test_no_grad_forward_after_re_enable_runs_and_only_the_training_forward_counts(tmp_path):
+    lengths = [64, 96, 80]
+    plain = KtoOrder(
+        model=model(), args=training_args(tmp_path / "plain", 3, offload=False), train_dataset=dataset(lengths)
+    )
+    plain.args.__dict__[f"{PREFIX}_checkpointing_kwargs"] = {"use_reentrant": False}
+    plain.train()
+    net = model()
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(2))
+    steps = Steps(callback, net)
+    trainer = KtoOrder(
+        model=net,
+        args=training_args(tmp_path, 3, offload="auto"),
+        train_dataset=dataset(lengths),
+        callbacks=[callback, steps],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if issubclass(w.category, AutoOffloadWarning)]  # checkpointing was never off
+    assert steps.rows == [(s, 0.5, expected_bytes(s, layers=2)) for s in lengths]
+    assert [r["seq_lens"] for r in read_history(callback.history_path)] == [
+        [s] for s in lengths
+    ]  # one micro-batch each
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == [h["loss"] for h in plain.state.log_history if "loss" in h]
+    for (name, a), (_, b) in zip(net.named_parameters(), plain.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def kto_trainer(tmp_path, net, callbacks, kwargs):
+    examples = datasets.Dataset.from_dict(
+        {
+            "prompt": [words(6 + i % 3, i) for i in range(8)],
+            "completion": [words(4 + i % 4, 30 + i) for i in range(8)],
+            "label": [i % 2 == 0 for i in range(8)],
+        }
+    )
+    return trl.KTOTrainer(
+        model=net,
+        ref_model=model(),
+        args=config(trl.KTOConfig, tmp_path, 3, kwargs, per_device_train_batch_size=2),
+        train_dataset=examples,
+        processing_class=tokenizer(),
+        callbacks=callbacks,
+    )
+
+
+def test_kto_trains_as_decided_on_every_step(tmp_path):
+    # KTOTrainer (TRL 1.x) runs the KL forward of the policy under torch.no_grad() in train mode, right after the
+    # previous step's reference forward toggled checkpointing off and on with the user's kwargs.
+    net = model()
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(2))
+    steps = Steps(callback, net)
+    no_grad = []
+    net.register_forward_pre_hook(lambda module, args: no_grad.append(module.training and not torch.is_grad_enabled()))
+    trainer = kto_trainer(tmp_path, net, [callback, steps], {"offload": "auto"})
+    trainer.train()
+    assert no_grad == [True, False] * 3  # per step: the KL forward without gradients, then the one that trains
+    assert len(steps.rows) == 3 and all(tokens > 0 for tokens, *_ in steps.rows)
+    assert [(active, moved) for _, active, moved in steps.rows] == [
+        (0.5, expected_bytes(tokens, layers=2)) for tokens, *_ in steps.rows
+    ]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["autooffload/offloaded_bytes"] for h in logs] == [moved for *_, moved in steps.rows]
+
+
+# ---- GRPO: generation, then the training forward over prompt and completion ------------------------------
+
+
+def completion_length(completions, **kwargs) -> list[float]:
+    return [float(len(completion)) for completion in completions]
+
+
+@pytest.mark.skipif(not hasattr(trl, "GRPOTrainer"), reason="this TRL has no GRPOTrainer")
+def test_grpo_trains_as_decided_on_every_step(tmp_path):
+    prompts = datasets.Dataset.from_dict({"prompt": [words(6 + i % 3, i) for i in range(8)]})
+    net = model()
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(2))
+    steps = Steps(callback, net)
+    trainer = trl.GRPOTrainer(
+        model=net,
+        reward_funcs=completion_length,
+        args=config(
+            trl.GRPOConfig,
+            tmp_path,
+            3,
+            {"offload": "auto"},
+            per_device_train_batch_size=2,
+            num_generations=2,
+            max_completion_length=8,
+            beta=0.0,
+            num_iterations=2,
+        ),
+        train_dataset=prompts,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )
+    trainer.train()
+    assert len(steps.rows) == 3 and all(tokens > 0 for tokens, *_ in steps.rows)
+    assert [(active, moved) for _, active, moved in steps.rows] == [
+        (0.5, expected_bytes(tokens, layers=2)) for tokens, *_ in steps.rows
+    ]

@@ -15,7 +15,9 @@ Not steered, each named in one warning when the controller attaches (the start o
   is left alone, and a DeepSpeed config that asks for that section gets a warning through the callback.
 - torch's ``OffloadWrapper`` around a checkpointed layer (accelerate's FSDP2 ``activation_checkpointing_offload``,
   torch's ``offload_wrapper``): ``save_on_cpu`` on every call, whatever autooffload decides.
-- Any other checkpoint function autooffload does not recognise.
+- Any other checkpoint function autooffload does not recognise, a framework's wrapper included when what it
+  wraps is not torch's checkpoint (LLaMA-Factory's ``use_unsloth_gc``); wrappers of torch's checkpoint are
+  steered through the wrapper (wrapped.py).
 """
 
 from __future__ import annotations
@@ -25,13 +27,25 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from .wrapped import defined_name
 
 
-def describe(function: Callable[..., Any]) -> str:
-    """``module.qualname`` of a checkpoint function, looking through ``functools.partial``."""
+def describe(function: Callable[..., Any], depth: int = 0) -> str:
+    """``module.qualname`` of a checkpoint function, looking through ``functools.partial``; a wrapper made with
+    ``functools.wraps`` by where it was defined, and what it wraps (wrapped.py)."""
     inner = function
     while isinstance(inner, functools.partial):
         inner = inner.func
+    if inner is checkpoint:
+        return "torch.utils.checkpoint.checkpoint"
+    defined = defined_name(inner) if hasattr(inner, "__wrapped__") and depth < 4 else None
+    if defined is not None:
+        return f"{defined} (wrapping {describe(inner.__wrapped__, depth + 1)})"
+    owner = getattr(inner, "__self__", None)
+    if isinstance(owner, type):  # a classmethod, e.g. an autograd Function's ``apply``
+        return f"{owner.__module__}.{owner.__qualname__}.{getattr(inner, '__name__', '?')}"
     module = getattr(inner, "__module__", None) or "?"
     name = getattr(inner, "__qualname__", None) or type(inner).__name__
     return f"{module}.{name}"

@@ -45,6 +45,7 @@ from ..warn import WarnOnce
 from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
+from .wrapped import rewrap, wrapper_chain
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
 
@@ -68,6 +69,7 @@ class CheckpointTarget:
     stack: str = ""
     size: int = 1
     text: bool = True
+    wrappers: tuple = ()  # a framework's wrappers around torch's checkpoint (wrapped.py), outermost first
 
     @property
     def is_layer(self) -> bool:
@@ -129,17 +131,30 @@ def find_targets(
             continue
         function = getattr(module, attribute)
         original = getattr(function, "_autooffload_original", function)
-        kwargs = _torch_checkpoint_kwargs(function)
-        if kwargs is None:
+        controllable = _controllable(function, original)
+        if controllable is None:
             unknown.append((name or type(module).__name__, function))
             continue
-        found.append(CheckpointTarget(name, module, attribute, original, kwargs))
+        kwargs, wrappers = controllable
+        found.append(CheckpointTarget(name, module, attribute, original, kwargs, wrappers=wrappers))
     for target in found:
         _classify(target, found)
     text = text_stack(model, found)
     for target in found:
         target.text = target.stack == text
     return found, unknown
+
+
+def _controllable(function: Callable[..., Any], original: Callable[..., Any]) -> tuple[dict[str, Any], tuple] | None:
+    """(checkpoint kwargs, wrappers) of an installed function: torch's checkpoint, or a framework's wrappers
+    around it (LLaMA-Factory's, see wrapped.py); None for a function autooffload cannot steer."""
+    wrappers = wrapper_chain(original, lambda f: _torch_checkpoint_kwargs(f) is not None)
+    if wrappers is None:
+        return None
+    kwargs = _torch_checkpoint_kwargs(function)
+    if kwargs is None and wrappers:
+        kwargs = _torch_checkpoint_kwargs(wrappers[-1].__wrapped__)
+    return None if kwargs is None else (kwargs, wrappers)
 
 
 def _classify(target: CheckpointTarget, found: list[CheckpointTarget]) -> None:
@@ -375,7 +390,7 @@ class CheckpointSwitch:
                 calls = LayerCalls(target, self._plain[id(target)])
                 self._calls[id(target)] = calls
                 self.forward.calls.append(calls)
-                setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target))
+                setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target, wrap=False))
                 self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
@@ -385,7 +400,11 @@ class CheckpointSwitch:
         self.apply(0)
 
     @staticmethod
-    def _tag(function: Callable[..., Any], target: CheckpointTarget) -> Callable[..., Any]:
+    def _tag(function: Callable[..., Any], target: CheckpointTarget, wrap: bool = True) -> Callable[..., Any]:
+        """Mark ``function`` as autooffload's for ``target``; with ``wrap``, inside the target's own wrappers (a
+        container's dispatcher is not wrapped: it must count every call; the functions it dispatches to are)."""
+        if wrap and target.wrappers:
+            function = rewrap(target.wrappers, function)
         function._autooffload_original = target.original
         function._autooffload_kwargs = target.kwargs
         return function

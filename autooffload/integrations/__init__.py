@@ -1,0 +1,1 @@
+"""Plugins for training frameworks that take them (axolotl); each imports without its framework."""
