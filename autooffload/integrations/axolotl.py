@@ -25,12 +25,11 @@ autooffload stays out, with one warning.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from ..settings import Settings, SettingsError, offload_mode
-from ..warn import AutoOffloadWarning
+from ..warn import WarnOnce
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -96,12 +95,11 @@ class AutoOffloadPlugin(BasePlugin):
         if settings is None:
             return []
         if axolotl_offloads(cfg):
-            warnings.warn(
-                "autooffload: axolotl's activation_offloading moves every activation to host memory itself, so "
-                "autooffload stays off; set activation_offloading: false (and gradient_checkpointing: true) to "
-                "let autooffload decide",
-                AutoOffloadWarning,
-                stacklevel=2,
+            WarnOnce()(
+                "axolotl-offloading",
+                "axolotl's activation_offloading moves every activation to host memory itself, so autooffload "
+                "stays off; set activation_offloading: false (and gradient_checkpointing: true) to let autooffload "
+                "decide",
             )
             return []
         from ..callback import AutoOffloadCallback
