@@ -16,10 +16,7 @@ import torch
 
 from ..decide.activations import LayerShape
 from ..decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
-
-# Hyper-connection models (DeepSeek-V4's mHC and its kin) carry several residual streams through every layer:
-# the layer input is [batch, seq, streams, hidden]. The config names the stream count under one of these keys.
-STREAM_KEYS = ("hc_mult", "hc_count")
+from ..estimate import STREAM_KEYS
 
 
 class ConfigView:
