@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import HIDDEN, model
 
@@ -24,7 +25,10 @@ def test_estimate_counts_every_stream_of_a_hyper_connection_layer(tmp_path, caps
 
 def test_the_seed_counts_every_stream_of_a_hyper_connection_layer():
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    if "deepseek_v4" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("deepseek_v4 is not in this transformers release")
     config = AutoConfig.for_model("deepseek_v4")
     for key, value in dict(num_hidden_layers=2, hidden_size=64, vocab_size=256).items():
         setattr(config, key, value)
