@@ -225,9 +225,9 @@ class OffloadController:
         module = observe.first_layer_module(self.switch.layers[0].target) if self.switch.layers else None
         self._width = None if module is None else observe.LayerInputWidth(module, self._on_input_width)
 
-    def _on_input_width(self, bytes_per_token: float) -> None:
-        if self.last_step_bytes == 0 and self.stats.total_bytes == 0:
-            self.layer_token_bytes = bytes_per_token
+    def _on_input_width(self, nbytes: int) -> None:
+        if self.last_tokens > 0 and self.last_step_bytes == 0 and self.stats.total_bytes == 0:
+            self.layer_token_bytes = nbytes / self.last_tokens
 
     def _join_ranks(self, ready: bool) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there

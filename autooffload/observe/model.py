@@ -121,9 +121,10 @@ def model_devices(model: torch.nn.Module) -> list[torch.device]:
 
 
 class LayerInputWidth:
-    """Reads the layer input's bytes per token from the first grad-enabled call of the first planned layer,
-    for what the config does not say (a stream count under a name not in :data:`STREAM_KEYS`, a width unlike
-    ``hidden_size``). ``found(bytes_per_token)`` is called once; the hook then removes itself."""
+    """Reads the layer input's bytes from the first grad-enabled call of the first planned layer, for what the
+    config does not say (a stream count under a name not in ``STREAM_KEYS``, a width unlike ``hidden_size``,
+    a layer that takes more positions than tokens, as ProphetNet's n-gram streams). ``found(nbytes)`` is
+    called once; the hook then removes itself."""
 
     def __init__(self, module: torch.nn.Module, found: Any) -> None:
         self.found = found
@@ -134,9 +135,8 @@ class LayerInputWidth:
             return
         layer_input = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
         self.remove()
-        if isinstance(layer_input, torch.Tensor) and layer_input.dim() >= 3 and layer_input.is_floating_point():
-            tokens = layer_input.shape[0] * layer_input.shape[1]
-            self.found(layer_input.numel() * layer_input.element_size() / tokens)
+        if isinstance(layer_input, torch.Tensor) and layer_input.is_floating_point():
+            self.found(layer_input.numel() * layer_input.element_size())
 
     def remove(self) -> None:
         if self.handle is not None:
