@@ -25,6 +25,7 @@ from .apply.compile_guard import is_compiled
 from .apply.paths import deepspeed_config_warning
 from .controller import OffloadController, logger
 from .decide.policy import Policy
+from .guard import guarded
 from .history import history_path, truncate_history
 from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
@@ -118,6 +119,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     # ---- training ------------------------------------------------------------------------------------
 
+    @guarded("on_train_begin", retry=True)
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._resolve_settings(args)
         saved = self._saved_state(state)
@@ -134,21 +136,26 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self._warn_deepspeed(trainer)
         self._wrap_log(trainer)
 
+    @guarded("on_step_begin")
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         if self.controller.optimizer is None and optimizer is not None:
             self.controller.optimizer = optimizer
         self.controller.begin_step()
 
+    @guarded("on_step_end")
     def on_step_end(self, args, state, control, **kwargs):
         self.controller.end_step()
 
+    @guarded("on_evaluate")
     def on_evaluate(self, args, state, control, **kwargs):
         self.controller.note_side_work()
 
+    @guarded("on_save")
     def on_save(self, args, state, control, **kwargs):
         self.controller.note_side_work()
         self._write_history()
 
+    @guarded("on_log")
     def on_log(self, args, state, control, logs=None, **kwargs):
         self._write_history()
         # Only where no Trainer was found to wrap: reporting callbacks before this one miss the keys.
@@ -164,6 +171,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             return {}
         return self.controller.metrics()
 
+    @guarded("on_train_end")
     def on_train_end(self, args, state, control, **kwargs):
         if self.controller.switch is not None:
             summary = self.controller.finish()  # every rank: a collective under torch.distributed

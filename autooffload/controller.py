@@ -33,14 +33,16 @@ from .apply.compile_guard import CompileBudget, is_compiled
 from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_node
 from .apply.offload import OffloadStats
 from .apply.paths import uncontrolled
-from .apply.switch import CheckpointSwitch, find_targets
+from .apply.switch import CheckpointSwitch, find_targets, install_plain
 from .decide import ladder
-from .decide.activations import KeptLayerModel, LayerShape
-from .decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
+from .decide.activations import KeptLayerModel
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
 from .distributed import AgreementGroup, RankPeak, agree, agree_plan, every_rank, world_size, worst_rank
+from .guard import guarded
 from .history import HistoryRecorder, StepRecord, fixed_reason, policy_reason
+from .observe import model as observe
+from .observe.model import optimizer_state_bytes
 from .observe.probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 from .settings import Settings
 from .warn import WarnOnce
@@ -64,98 +66,6 @@ def token_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     if torch.is_tensor(embeds) and embeds.dim() >= 2:
         return int(embeds.shape[-2]), int(embeds.numel() // embeds.shape[-1])
     return None
-
-
-def _layer_token_bytes(model: torch.nn.Module) -> float | None:
-    """Bytes one token's checkpointed layer input takes, from the config: hidden size x parameter dtype bytes.
-
-    A first guess only: the controller replaces it with what the hooks measure once a step has offloaded.
-    """
-    hidden = _text_hidden_size(getattr(model, "config", None))
-    for parameter in model.parameters():
-        if isinstance(hidden, int) and parameter.is_floating_point():
-            return float(hidden * parameter.element_size())
-    return None
-
-
-def _model_devices(model: torch.nn.Module) -> list[torch.device]:
-    """Every device the parameters are on (several with ``device_map="auto"``); the CPU when there are none."""
-    devices = {parameter.device for parameter in model.parameters()}
-    return sorted(devices, key=str) or [torch.device("cpu")]
-
-
-def _text_hidden_size(config: Any) -> int | None:
-    """The hidden size of the stack that consumes the tokens: the text config's where the top level has none
-    (a VLM's top-level ``hidden_size`` is None on transformers 5.x)."""
-    hidden = getattr(config, "hidden_size", None)
-    if not isinstance(hidden, int) and hasattr(config, "get_text_config"):
-        try:
-            hidden = getattr(config.get_text_config(), "hidden_size", None)
-        except Exception:  # an ambiguous composite config
-            return None
-    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
-
-
-def _layer_shape(model: torch.nn.Module) -> LayerShape | None:
-    """The text stack's layer sizes from the model's config: the seed of the keep model."""
-    config = getattr(model, "config", None)
-    if config is not None and not isinstance(getattr(config, "hidden_size", None), int):
-        try:
-            config = config.get_text_config()
-        except Exception:  # no text config, or an ambiguous composite one
-            return None
-    for parameter in model.parameters():
-        if parameter.is_floating_point():
-            return LayerShape.from_config(config, parameter.element_size())
-    return None
-
-
-def _token_terms(model: torch.nn.Module) -> tuple[float | None, float | None]:
-    """(logits, one layer's recompute working set) in bytes per token, from the config; None where unknown."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
-    dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), None)
-    vocab, hidden = getattr(config, "vocab_size", None), getattr(config, "hidden_size", None)
-    intermediate = getattr(config, "intermediate_size", None)
-    if not dtype_bytes:
-        return None, None
-    logits = logits_bytes_per_token(vocab, dtype_bytes) if isinstance(vocab, int) else None
-    if not isinstance(hidden, int):
-        return logits, None
-    intermediate = intermediate if isinstance(intermediate, int) else 4 * hidden
-    return logits, layer_work_bytes_per_token(hidden, intermediate, dtype_bytes)
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and alike)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def optimizer_state_bytes(optimizer: Any) -> tuple[int, int | None]:
-    """(bytes the optimizer's state holds now, bytes it holds once every trainable parameter has its state).
-
-    The second is None when the optimizer's kind is unknown. torch's Adam and SGD allocate their state lazily,
-    at the first ``step()``, so before it the first number is 0 and the difference is still to come.
-    """
-    inner = _unwrap_optimizer(optimizer)
-    if not isinstance(inner, torch.optim.Optimizer):
-        return 0, None
-    groups = inner.param_groups
-    factor = optimizer_state_factor(type(inner).__name__, groups[0].get("momentum") if groups else None)
-    held = sum(
-        t.numel() * t.element_size()
-        for state in inner.state.values()
-        for t in state.values()
-        if torch.is_tensor(t) and t.dim() > 0
-    )
-    if factor is None:
-        return held, None
-    trainable = sum(p.numel() * p.element_size() for g in groups for p in g["params"] if p.requires_grad)
-    if any(g.get("amsgrad") for g in groups):
-        factor += 1.0
-    return held, round(factor * trainable)
 
 
 class OffloadController:
@@ -236,21 +146,27 @@ class OffloadController:
         self._reading_kept_bytes = 0.0
         self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
         self.recorder = HistoryRecorder()
+        self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
+        self._width: observe.LayerInputWidth | None = None
 
     # ---- apply ---------------------------------------------------------------------------------------
 
+    @guarded("attach", False, retry=True)
     def attach(self, model: torch.nn.Module, *, compiled: bool | None = None, optimizer: Any = None) -> bool:
         """Install the checkpoint functions and the pre-forward hook. False (with a warning) if nothing to do.
 
         ``optimizer``: the run's optimizer, so that state it has not allocated yet (Adam's, before the first
         ``step()``) is foreseen in the first steps; without it that state is unknown until a reading holds it.
         """
+        self.failed = False
         self.detach()
+        self._model = model  # from here on, a failure leaves this model on plain checkpointing
         targets, unknown = find_targets(model)
         for key, message in uncontrolled(model, unknown):
             self.warn(key, message)
         self._join_ranks(bool(targets))
         if not targets:
+            self._model = None
             if not unknown:  # otherwise checkpointing is on, and the warning above named the function it runs
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
@@ -258,13 +174,14 @@ class OffloadController:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
         self.switch.on_measured = self._on_measured
-        self.kept_model.seed = self.kept_model.seed or _layer_shape(model)
+        self.kept_model.seed = self.kept_model.seed or observe.layer_shape(model)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
-        self.layer_token_bytes = self.layer_token_bytes or _layer_token_bytes(model)
-        self.logits_token_bytes, self.work_token_bytes = _token_terms(model)
+        self.layer_token_bytes = self.layer_token_bytes or observe.layer_token_bytes(model)
+        self._read_input_width()
+        self.logits_token_bytes, self.work_token_bytes = observe.token_terms(model)
         self.optimizer = optimizer if optimizer is not None else self.optimizer
-        self.probe = self._make_probe(_model_devices(model))
+        self.probe = self._make_probe(observe.model_devices(model))
         self._watch_model(model)
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
@@ -283,6 +200,36 @@ class OffloadController:
             ranks_per_node(),
         )
         return True
+
+    def give_up(self, where: str, error: BaseException) -> None:
+        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing for the rest
+        of the run (the hook removed, transformers-equivalent checkpoint functions installed)."""
+        self.failed = True
+        self.warn(
+            "failed",
+            f"internal error in {where} ({type(error).__name__}: {error}); autooffload stops and the run goes on "
+            "with plain checkpointing (please report this with the model's config)",
+        )
+        model = self._model
+        try:
+            self.detach()
+        except Exception:  # the switch itself is broken: forget it, the functions are replaced below
+            self.switch, self._hook = None, None
+        if model is not None:
+            install_plain(model)
+
+    def _read_input_width(self) -> None:
+        """Where the config's width may be wrong, the first call of the first planned layer says: its input's
+        bytes per token replace the config's guess before any measurement exists."""
+        assert self.switch is not None
+        if self._width is not None:
+            self._width.remove()
+        module = observe.first_layer_module(self.switch.layers[0].target) if self.switch.layers else None
+        self._width = None if module is None else observe.LayerInputWidth(module, self._on_input_width)
+
+    def _on_input_width(self, nbytes: int) -> None:
+        if self.last_tokens > 0 and self.last_step_bytes == 0 and self.stats.total_bytes == 0:
+            self.layer_token_bytes = nbytes / self.last_tokens
 
     def _join_ranks(self, ready: bool) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
@@ -309,6 +256,9 @@ class OffloadController:
         unwatch = getattr(self.probe, "unwatch_model", None)
         if callable(unwatch):
             unwatch()
+        if self._width is not None:
+            self._width.remove()
+            self._width = None
         if self.switch is not None:
             self.switch.close()
             if restore:
@@ -405,6 +355,7 @@ class OffloadController:
     # ---- observe and decide --------------------------------------------------------------------------
 
     @torch.compiler.disable
+    @guarded("the pre-forward hook")
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.switch is not None:
             self.switch.new_forward()
@@ -605,6 +556,7 @@ class OffloadController:
             "(the memory-safe state) for the rest of the run",
         )
 
+    @guarded("rescue", False)
     def rescue(self, tried_bytes: int | None = None) -> bool:
         """Offload every layer until this step ends, for a rerun after an out-of-memory error.
 
@@ -628,6 +580,7 @@ class OffloadController:
 
     # ---- open and close a step -----------------------------------------------------------------------
 
+    @guarded("begin_step")
     def begin_step(self) -> None:
         """Start an optimizer step: its peak starts here (the probe's ``reset()``, where it has one), so
         evaluation and checkpoint saving between two steps stay out of the next reading. Trainer's callback
@@ -651,6 +604,7 @@ class OffloadController:
         after ``on_step_end``, before the next ``on_step_begin``)."""
         self._side_work = True
 
+    @guarded("end_step")
     def end_step(self) -> None:
         """Close an optimizer step: bytes moved, memory reading, dwell counter."""
         self._settle_budget()

@@ -35,6 +35,9 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+# Hyper-connection models (DeepSeek-V4's mHC and its kin) carry several residual streams through every layer:
+# the layer input is [batch, seq, streams, hidden]. The config names the stream count under one of these keys.
+STREAM_KEYS = ("hc_mult", "hc_count")
 # Where a composite config keeps its language model's (transformers' get_text_config, and common remote code).
 TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config", "decoder", "generator")
 # An assumption, not a measurement: pinned host<->device copies reach about this over PCIe Gen4 x16, and a
@@ -84,6 +87,7 @@ class Estimate:
     keepable_layers: int | None = None  # layers that could keep on the device (None: device memory unknown)
     other_memory_bytes: int = 0
     memory_high: float = 0.9
+    streams: int = 1  # residual streams per token in a layer input (hyper-connections), x hidden
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,6 +112,7 @@ def estimate(
     host_budget_bytes: int | None = None,
     pinnable_bytes: int | None = None,
     pinnable_note: str = "",
+    streams: int = 1,
 ) -> Estimate:
     """Pure arithmetic and the recommendation; reads nothing from the machine (the caller passes what it read).
 
@@ -116,6 +121,7 @@ def estimate(
     intermediate 4 x hidden, heads of 128); ``memory_high`` defaults to the Settings default.
     ``ranks_per_node`` processes share the host: the node needs that many times a rank's pinned bytes, and
     each rank gets that share of ``host_budget_bytes`` (the node's budget, ``AUTOOFFLOAD_HOST_MEMORY``).
+    ``streams``: a hyper-connection layer's input is ``streams`` x ``hidden`` wide per token.
     """
     dtype = normalize_dtype(dtype)
     for name, value in (
@@ -124,6 +130,7 @@ def estimate(
         ("seq", seq),
         ("batch", batch),
         ("ranks", ranks_per_node),
+        ("streams", streams),
     ):
         _require_positive(name, value)
     if device_memory_bytes is not None:
@@ -132,7 +139,7 @@ def estimate(
     seq_high = Settings().seq_high if seq_high is None else seq_high
 
     dtype_bytes = DTYPE_BYTES[dtype]
-    per_layer = batch * seq * hidden * dtype_bytes
+    per_layer = batch * seq * streams * hidden * dtype_bytes
     saved = layers * per_layer
     per_buffer = -(-per_layer // PAGE) * PAGE
     pinned = layers * per_buffer
@@ -192,6 +199,7 @@ def estimate(
         keepable_layers=keepable,
         other_memory_bytes=other_memory_bytes,
         memory_high=memory_high,
+        streams=streams,
     )
 
 
@@ -280,6 +288,20 @@ def read_config(path: str | Path) -> tuple[int, int]:
         wanted = "; ".join(f"{m} ({'/'.join(keys[m])})" for m in missing)
         raise EstimateError(f"{path} has no {wanted}; pass --layers/--hidden")
     return layers, hidden  # type: ignore[return-value]
+
+
+def read_streams(path: str | Path) -> int:
+    """Residual streams per token of a layer input (``hc_mult``/``hc_count``, text config first); 1 if none."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return 1
+    if not isinstance(config, dict):
+        return 1
+    text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    streams = _first_int([*text, config], STREAM_KEYS)
+    return streams if streams is not None and streams > 0 else 1
 
 
 def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerShape | None:
@@ -494,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             host_budget_bytes=host_budget(settings.host_memory),
             pinnable_bytes=pinnable,
             pinnable_note=note,
+            streams=read_streams(options.config) if options.config else 1,
         )
     except (EstimateError, SettingsError) as error:
         _print_error(str(error))
@@ -532,7 +555,8 @@ def render(result: Estimate) -> str:
         ("copy time per step", seconds(result.copy_seconds), f"at {bandwidth}; on the compute stream, so it adds"),
     ]
     head = (
-        f"autooffload estimate: {result.layers} layers x hidden {result.hidden}, batch {result.batch} x seq "
+        f"autooffload estimate: {result.layers} layers x hidden {result.hidden}"
+        f"{f' x {result.streams} streams' if result.streams > 1 else ''}, batch {result.batch} x seq "
         f"{result.seq}, {result.dtype} ({result.dtype_bytes} B)"
     )
     if result.keepable_layers is None:

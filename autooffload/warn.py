@@ -42,6 +42,7 @@ ANCHORS = {
     "ranks-without-layers": "ranks-without-layers",
     "peaked-delta": "peaked-delta",
     "rescue-off": "rescue-off",
+    "failed": "internal-error",
     "axolotl-offloading": "axolotl-offloading",
 }
 

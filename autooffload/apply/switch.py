@@ -487,3 +487,19 @@ class CheckpointSwitch:
         for target in self.targets:
             setattr(target.module, target.attribute, target.original)
         self.offloaded, self.kept, self.measuring = -1, 0, False
+
+
+def install_plain(model: torch.nn.Module) -> None:
+    """Put plain checkpointing (torch's checkpoint with the kwargs found, without ``offload``) on every
+    checkpointed module of ``model`` whose function autooffload knows: the fallback when autooffload gives up
+    before its switch exists (:mod:`autooffload.guard`), since transformers' own functions may carry an
+    ``offload`` key that fails (before 5.17; on a CPU-only build) or always offloads."""
+    wrapper_type = _checkpoint_wrapper_type()
+    for module in model.modules():
+        attribute = "checkpoint_fn" if wrapper_type is not None and isinstance(module, wrapper_type) else None
+        if attribute is None and getattr(module, "gradient_checkpointing", False) is True:
+            attribute = "_gradient_checkpointing_func"
+        function = getattr(module, attribute, None) if attribute else None
+        kwargs = _torch_checkpoint_kwargs(function) if function is not None else None
+        if kwargs is not None:
+            setattr(module, attribute, _plain_function(kwargs))

@@ -1,0 +1,189 @@
+"""Observe, part 2: what the model and the optimizer say about sizes, read once at attach.
+
+The controller's first guesses (bytes per token of a layer input, the keep model's layer shape, the logits and
+recompute working-set terms, the devices, the optimizer state to come) come from the model's config and
+parameters. Configs are not plain records: a per-layer config (Gemma-4's) raises on a global read of
+``head_dim``, a composite one may raise in ``get_text_config()``, a remote-code one may raise anything. So every
+config read here goes through :class:`ConfigView`, where an attribute that raises is an attribute that is
+absent; what the config does not say is then read from the first layer call (:class:`LayerInputWidth`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..decide.activations import LayerShape
+from ..decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
+from ..estimate import STREAM_KEYS
+
+
+class ConfigView:
+    """A config whose attribute reads never raise: an attribute that raises reads as absent (``getattr``'s
+    default), and a nested config comes back wrapped too."""
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = getattr(object.__getattribute__(self, "_config"), name)
+        except Exception as error:  # a per-layer config's global read, or anything a remote config does
+            raise AttributeError(name) from error
+        return ConfigView(value) if _is_config(value) else value
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> ConfigView:
+        config = object.__getattribute__(self, "_config")
+        try:
+            return ConfigView(config.get_text_config(*args, **kwargs))
+        except Exception:  # no text config, or an ambiguous composite one
+            return self
+
+
+def _is_config(value: Any) -> bool:
+    return hasattr(type(value), "to_json_string") and hasattr(value, "model_type")
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def text_config(model: torch.nn.Module) -> ConfigView | None:
+    """The config of the stack that consumes the tokens: the model's own, or its text config where the top
+    level has no hidden size (a VLM's top-level ``hidden_size`` is None on transformers 5.x)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    view = ConfigView(config)
+    if _positive_int(getattr(view, "hidden_size", None)) is None:
+        view = view.get_text_config()
+    return view
+
+
+def dtype_bytes(model: torch.nn.Module) -> int | None:
+    """Bytes per element of the first floating parameter: the dtype the activations take."""
+    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), None)
+
+
+def hidden_size(model: torch.nn.Module) -> int | None:
+    config = text_config(model)
+    return _positive_int(getattr(config, "hidden_size", None)) if config is not None else None
+
+
+def streams(model: torch.nn.Module) -> int:
+    """Residual streams a layer input carries per token (hyper-connections), 1 where the config names none."""
+    config = text_config(model)
+    for key in STREAM_KEYS:
+        count = _positive_int(getattr(config, key, None)) if config is not None else None
+        if count is not None:
+            return count
+    return 1
+
+
+def layer_token_bytes(model: torch.nn.Module) -> float | None:
+    """Bytes one token's checkpointed layer input takes, from the config: streams x hidden size x parameter
+    dtype bytes. A first guess only: :class:`LayerInputWidth` corrects it at the first layer call, and the
+    controller replaces it with what the hooks measure once a step has offloaded."""
+    hidden, size = hidden_size(model), dtype_bytes(model)
+    return float(streams(model) * hidden * size) if hidden and size else None
+
+
+def layer_shape(model: torch.nn.Module) -> LayerShape | None:
+    """The text stack's layer sizes from the model's config: the seed of the keep model."""
+    config, size = text_config(model), dtype_bytes(model)
+    if config is None or size is None:
+        return None
+    try:
+        return LayerShape.from_config(config, size)
+    except Exception:  # sizes that make no arithmetic (a zero head count): no seed
+        return None
+
+
+def token_terms(model: torch.nn.Module) -> tuple[float | None, float | None]:
+    """(logits, one layer's recompute working set) in bytes per token, from the config; None where unknown."""
+    config, size = text_config(model), dtype_bytes(model)
+    if config is None or not size:
+        return None, None
+    vocab = _positive_int(getattr(config, "vocab_size", None))
+    hidden = _positive_int(getattr(config, "hidden_size", None))
+    logits = logits_bytes_per_token(vocab, size) if vocab else None
+    if hidden is None:
+        return logits, None
+    intermediate = _positive_int(getattr(config, "intermediate_size", None)) or 4 * hidden
+    return logits, layer_work_bytes_per_token(hidden, intermediate, size)
+
+
+def model_devices(model: torch.nn.Module) -> list[torch.device]:
+    """Every device the parameters are on (several with ``device_map="auto"``); the CPU when there are none."""
+    devices = {parameter.device for parameter in model.parameters()}
+    return sorted(devices, key=str) or [torch.device("cpu")]
+
+
+class LayerInputWidth:
+    """Reads the layer input's bytes from the first grad-enabled call of the first planned layer, for what the
+    config does not say (a stream count under a name not in ``STREAM_KEYS``, a width unlike ``hidden_size``,
+    a layer that takes more positions than tokens, as ProphetNet's n-gram streams). ``found(nbytes)`` is
+    called once; the hook then removes itself."""
+
+    def __init__(self, module: torch.nn.Module, found: Any) -> None:
+        self.found = found
+        self.handle = module.register_forward_pre_hook(self._read, with_kwargs=True)
+
+    def _read(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        layer_input = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
+        self.remove()
+        if isinstance(layer_input, torch.Tensor) and layer_input.is_floating_point():
+            self.found(layer_input.numel() * layer_input.element_size())
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and alike)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_state_bytes(optimizer: Any) -> tuple[int, int | None]:
+    """(bytes the optimizer's state holds now, bytes it holds once every trainable parameter has its state).
+
+    The second is None when the optimizer's kind is unknown. torch's Adam and SGD allocate their state lazily,
+    at the first ``step()``, so before it the first number is 0 and the difference is still to come.
+    """
+    inner = _unwrap_optimizer(optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return 0, None
+    groups = inner.param_groups
+    factor = optimizer_state_factor(type(inner).__name__, groups[0].get("momentum") if groups else None)
+    held = sum(
+        t.numel() * t.element_size()
+        for state in inner.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    if factor is None:
+        return held, None
+    trainable = sum(p.numel() * p.element_size() for g in groups for p in g["params"] if p.requires_grad)
+    if any(g.get("amsgrad") for g in groups):
+        factor += 1.0
+    return held, round(factor * trainable)
+
+
+def first_layer_module(target: Any) -> torch.nn.Module | None:
+    """The module of a planned stack's first layer: the target itself for a layer target, the first block of
+    a container's repeated list (``target.stack`` names it) otherwise."""
+    if target.kind != "container":
+        return target.module
+    prefix = target.name + "." if target.name else ""
+    try:
+        blocks = target.module.get_submodule(target.stack[len(prefix) :])
+        return blocks[0]
+    except Exception:  # a container laid out otherwise: the config's width stands
+        return None

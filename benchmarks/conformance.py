@@ -1,0 +1,757 @@
+"""Conformance sweep: every model type of the installed transformers, one tiny training step each.
+
+    python benchmarks/conformance.py --out benchmarks/results/$(date +%F)-conformance [--types a,b]
+        [--mappings causal,image-text,seq2seq,speech] [--timeout 240] [--jobs 1]
+
+For every model type in the causal-LM, image-text-to-text (text-only batches), seq2seq-LM and speech-seq2seq
+mappings: build a tiny random config (:func:`tiny_config`: every size key of the config and of its nested
+sub-configs shrunk, lists per layer cut to the new depth), then train one step three times from the same
+weights and batch: plain checkpointing, autooffload ``mode="on"``, and autooffload at a partial level (a
+fixed policy, about half the layers). autooffload runs the sync engine with real copies into pageable host
+buffers (a :class:`~autooffload.apply.host_memory.HostMemory` that "pins" with no-op calls, so the hooks copy
+on a CPU as they would into pinned memory on a GPU).
+
+What the sweep measures is its own: it wraps torch's checkpoint entry points
+(``torch.utils.checkpoint._checkpoint_without_reentrant_generator`` and ``CheckpointFunction``), which every
+checkpointed call of every stack goes through, and records each grad-enabled call's layer input (its first
+positional tensor, once per tensor per forward). With text-only batches only the stacks that consume the
+tokens run (a VLM's vision tower does not), so the calls seen are those of the token stacks (both stacks of an
+encoder-decoder). Checked per type:
+
+- no exception in any run;
+- ``on``: bytes moved == the bytes of every recorded call's input == the arithmetic autooffload reports
+  (its bytes per token at attach x the offloaded layers x tokens, from its history record);
+- partial: bytes moved == the arithmetic, and equal to the inputs of that many of the recorded calls;
+- loss and every gradient bit-identical to plain checkpointing, in both runs;
+- warnings (``AutoOffloadWarning`` and the ``transformers.autooffload`` log at WARNING) are collected; a
+  run that moves what it should must warn nothing, a run left on plain checkpointing must say so once.
+
+Verdicts: ``correct``; ``plain-with-warning`` (nothing moved, one warning, results identical: the warning's
+text is in the table for a reader to judge); ``wrong`` (what differs); ``crash`` (autooffload raised, or the
+child process died or timed out); ``skipped`` (no tiny config, no checkpointing support, or the plain
+checkpointed step itself fails: why). Every type runs in its own subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import itertools
+import json
+import logging
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MAPPINGS = {
+    "causal": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    "image-text": ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText"),
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
+    "speech": ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "AutoModelForSpeechSeq2Seq"),
+}
+ENCODER_DECODER = ("seq2seq", "speech")
+BATCH, SEQ = 2, 48
+SOURCE, TARGET = 96, 32
+LAYERS = 3
+VOCAB = 512
+
+# Sizes a tiny config gets, by the names configs use for them. Depth keys are set to LAYERS.
+DEPTH_KEYS = (
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_text_layers",
+    "depth",
+    "vision_layers",
+    "audio_layers",
+)
+SIZE_KEYS = {
+    "hidden_size": 64,
+    "d_model": 64,
+    "n_embd": 64,
+    "embed_dim": 64,
+    "dim": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_ff": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "expert_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "d_kv": 16,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "rotary_dim": 8,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "state_size": 16,
+    "n_groups": 1,
+    "expand": 1,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "n_group": 1,
+    "first_k_dense_replace": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 512,
+    "max_source_positions": SOURCE // 2,
+    "max_target_positions": 128,
+}
+
+
+# ---- tiny configs ---------------------------------------------------------------------------------------
+
+
+def _sub_configs(config: Any) -> list[tuple[str, Any]]:
+    from transformers import PretrainedConfig
+
+    return [(k, v) for k, v in vars(config).items() if isinstance(v, PretrainedConfig)]
+
+
+def _get(config: Any, key: str) -> Any:
+    """``getattr`` that reads an attribute that raises (a per-layer config's global read) as absent."""
+    try:
+        return getattr(config, key, None)
+    except Exception:
+        return None
+
+
+def _depth(config: Any) -> int | None:
+    for key in DEPTH_KEYS:
+        value = _get(config, key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _scale_mrope(config: Any) -> None:
+    """A rope section list (Qwen-VL's ``mrope_section``) sums to half the head size: scale it with the head."""
+    head = _get(config, "head_dim")
+    hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+    if not isinstance(head, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head = hidden // heads
+    for attr in ("rope_scaling", "rope_parameters"):
+        rope = getattr(config, attr, None)
+        if not isinstance(rope, dict) or not isinstance(head, int):
+            continue
+        section = rope.get("mrope_section")
+        if isinstance(section, list) and section and sum(section) != head // 2:
+            total, half = sum(section), head // 2
+            scaled = [max(1, s * half // total) for s in section]
+            scaled[0] += half - sum(scaled)
+            rope["mrope_section"] = scaled
+
+
+def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None = VOCAB) -> Any:
+    """Shrink ``config`` and every nested sub-config in place: depth to ``layers`` (per-layer lists and pattern
+    strings cut to match), and with ``sizes`` the width keys of :data:`SIZE_KEYS`; the vocabulary to ``vocab``,
+    special token ids above it moved inside it."""
+    for _, sub in _sub_configs(config):
+        shrink(sub, sizes=sizes, layers=layers, vocab=vocab)
+    depth = _depth(config)
+    for key in DEPTH_KEYS:
+        value = _get(config, key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > layers:
+            with contextlib.suppress(Exception):
+                setattr(config, key, layers)
+    if depth is not None and depth > layers:
+        for key, value in list(vars(config).items()):
+            pattern = isinstance(value, str) and ("pattern" in key or "override" in key)
+            if (isinstance(value, (list, tuple)) or pattern) and len(value) == depth:
+                with contextlib.suppress(Exception):
+                    setattr(config, key, type(value)(value[:layers]) if not isinstance(value, str) else value[:layers])
+    if sizes:
+        no_gqa = _get(config, "num_key_value_heads") == _get(config, "num_attention_heads")
+        for key, size in SIZE_KEYS.items():
+            value = _get(config, key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > size:
+                with contextlib.suppress(Exception):
+                    setattr(config, key, size)
+        if isinstance(_get(config, "num_key_value_heads"), int) and isinstance(
+            _get(config, "num_attention_heads"), int
+        ):
+            with contextlib.suppress(Exception):
+                config.num_key_value_heads = min(config.num_key_value_heads, config.num_attention_heads)
+        if no_gqa and isinstance(_get(config, "num_attention_heads"), int):
+            with contextlib.suppress(Exception):
+                config.num_key_value_heads = config.num_attention_heads
+        if isinstance(_get(config, "qk_nope_head_dim"), int) and isinstance(_get(config, "qk_rope_head_dim"), int):
+            with contextlib.suppress(Exception):
+                config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        _scale_mrope(config)
+    current = _get(config, "vocab_size")
+    if vocab is not None and isinstance(current, int) and current > vocab:
+        with contextlib.suppress(Exception):
+            config.vocab_size = vocab
+        taken = set()
+        free = vocab - 1
+        for key, value in sorted(vars(config).items()):
+            if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int):
+                if value >= vocab:
+                    while free in taken:
+                        free -= 1
+                    setattr(config, key, free)
+                    value = free
+                taken.add(value)
+    return config
+
+
+def special_ids(config: Any) -> set[int]:
+    ids: set[int] = set()
+    for key, value in vars(config).items():
+        if (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_id")) and isinstance(
+            value, int
+        ):
+            ids.add(value)
+    for _, sub in _sub_configs(config):
+        ids |= special_ids(sub)
+    return ids
+
+
+def text_vocab(config: Any) -> int | None:
+    sizes = [_get(config, "vocab_size")]
+    for name, sub in _sub_configs(config):
+        if "text" in name or "decoder" in name or "language" in name:
+            sizes.append(_get(sub, "vocab_size"))
+    sizes = [s for s in sizes if isinstance(s, int) and s > 0]
+    return min(sizes) if sizes else None
+
+
+def tiny_config(model_type: str, sizes: bool = True) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    shrink(config, sizes=sizes)
+    for key in ("use_cache",):
+        with contextlib.suppress(Exception):
+            setattr(config, key, False)
+    with contextlib.suppress(Exception):
+        config._attn_implementation = "eager"
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        with contextlib.suppress(Exception):
+            config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    return config
+
+
+# ---- batches and one step --------------------------------------------------------------------------------
+
+
+def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
+    import torch
+
+    vocab = text_vocab(config) or VOCAB
+    avoid = special_ids(config)
+    allowed = torch.tensor([i for i in range(min(vocab, 4096)) if i not in avoid][:1000] or [0])
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(length: int) -> torch.Tensor:
+        return allowed[torch.randint(len(allowed), (BATCH, length), generator=generator)]
+
+    if mapping == "seq2seq":
+        return {"input_ids": ids(SOURCE), "labels": ids(TARGET)}
+    if mapping == "speech":
+        main = getattr(model, "main_input_name", "input_features")
+        if main == "input_values":
+            source = torch.randn(BATCH, 16 * SOURCE * 10, generator=generator)
+        elif isinstance(getattr(config, "num_mel_bins", None), int):
+            source = torch.randn(BATCH, config.num_mel_bins, SOURCE, generator=generator)
+        else:
+            feat = getattr(config, "input_feat_per_channel", None) or getattr(config, "feature_size", None) or 80
+            channels = getattr(config, "input_channels", 1) or 1
+            source = torch.randn(BATCH, SOURCE, feat * channels, generator=generator)
+        return {main: source, "labels": ids(TARGET)}
+    batch = ids(SEQ)
+    return {"input_ids": batch, "labels": batch.clone()}
+
+
+def _first_tensor(args: tuple) -> Any:
+    import torch
+
+    return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def _owner(function: Any) -> str:
+    """The module class a checkpointed function belongs to, for the report."""
+    import functools
+
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    return type(owner).__name__ if owner is not None else getattr(function, "__qualname__", "?")
+
+
+class CheckpointCalls:
+    """Records every grad-enabled call of torch's checkpoint: its layer input's bytes (the first positional
+    tensor, each tensor once per step) and the module class it checkpoints. Wraps the two entry points
+    ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a
+    container's loop) is seen, without reading autooffload."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self._seen: list[weakref.ref] = []
+
+    def record(self, function: Any, args: tuple) -> None:
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        tensor = _first_tensor(args)
+        if tensor is None:
+            self.calls.append((_owner(function), 0))
+            return
+        if any(ref() is tensor for ref in self._seen):
+            return
+        self._seen.append(weakref.ref(tensor))
+        self.calls.append((_owner(function), tensor.numel() * tensor.element_size()))
+
+    @contextlib.contextmanager
+    def watching(self):
+        import torch.utils.checkpoint as cp
+
+        generator, function_class = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
+        recorder = self
+
+        def watched_generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs):
+            recorder.record(fn, args)
+            return generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs)
+
+        class WatchedFunction:
+            @staticmethod
+            def apply(fn, preserve, *a):
+                recorder.record(fn, a)
+                return function_class.apply(fn, preserve, *a)
+
+        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = watched_generator, WatchedFunction
+        try:
+            yield self
+        finally:
+            cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = generator, function_class
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.calls)
+
+
+class FixedLevel:
+    """A policy that asks for ``level`` layers on every micro-batch: the sweep's partial level."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+    def decide(self, observation: Any) -> int:
+        return self.level
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: Any = None
+    grads: dict[str, Any] = dataclasses.field(default_factory=dict)
+    calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    layers: int | None = None
+    moved: int | None = None
+    arithmetic: float | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    logs: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Logs(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def build(model_type: str, mapping: str, sizes: bool) -> tuple[Any, Any]:
+    import torch
+    import transformers
+
+    config = tiny_config(model_type, sizes)
+    auto = getattr(transformers, MAPPINGS[mapping][1])
+    torch.manual_seed(0)
+    model = auto.from_config(config)
+    return model.float(), config
+
+
+def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None = None) -> StepResult:
+    """One forward and backward from ``model``'s weights: ``mode`` plain (no autooffload), on, or partial."""
+    import numpy
+    import torch
+
+    from autooffload import OffloadController, Settings
+    from autooffload.apply.host_memory import HostMemory
+    from autooffload.warn import AutoOffloadWarning
+
+    result = StepResult()
+    handler = _Logs()
+    logger = logging.getLogger("transformers.autooffload")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    controller = None
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode != "plain":
+                host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+                settings = Settings(mode="on" if mode == "on" else "auto", engine="sync", host_memory="1GiB")
+                policy = FixedLevel(level or 0) if mode == "partial" else None
+                controller = OffloadController(settings, probe=None, policy=policy, host=host)
+                controller.attach(model)
+                result.layers = len(controller.switch.layers) if controller.switch is not None else 0
+            model.train()
+            recorder = CheckpointCalls()
+            torch.manual_seed(0)
+            random.seed(0)
+            numpy.random.seed(0)  # BigBird's random attention blocks draw from numpy
+            with recorder.watching():
+                output = model(**batch)
+                loss = output.loss if getattr(output, "loss", None) is not None else output[0].float().mean()
+                loss.backward()
+            if controller is not None:
+                seed = controller.layer_token_bytes  # what it plans with: the config's, or the first call's
+                controller.end_step()
+                record = controller.history[-1] if controller.history else None
+                result.moved = record.bytes_moved if record is not None else controller.last_step_bytes
+                if record is not None and seed:
+                    result.arithmetic = seed * sum(o * t for o, t in zip(record.offloaded, record.tokens, strict=False))
+                controller.detach()
+        result.loss = loss.detach().clone()
+        result.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        result.calls = recorder.calls
+        result.warnings = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+        result.logs = [f"{r.levelname}: {r.getMessage()}" for r in handler.records]
+        result.warnings += [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+def _same(a: StepResult, b: StepResult) -> str | None:
+    import torch
+
+    if not torch.equal(a.loss, b.loss):
+        return f"loss {a.loss.item()!r} != {b.loss.item()!r}"
+    if set(a.grads) != set(b.grads):
+        return f"gradients of different parameters ({len(a.grads)} vs {len(b.grads)})"
+    differ = [n for n in a.grads if not torch.equal(a.grads[n], b.grads[n])]
+    return f"{len(differ)} gradient(s) differ, e.g. {differ[0]}" if differ else None
+
+
+def _subset_sums(sizes: list[int], k: int) -> set[int] | None:
+    if len(sizes) > 18:
+        return None
+    return {sum(c) for c in itertools.combinations(sizes, k)}
+
+
+def check_type(model_type: str, mapping: str) -> dict[str, Any]:
+    """Build, run plain/on/partial, and judge one model type. Runs in the child process."""
+
+    row: dict[str, Any] = {"type": model_type, "mapping": mapping}
+    start = time.perf_counter()
+    plain = model = batch = None
+    errors = []
+    for sizes in (True,):  # a full-size fallback builds models of gigabytes: a type that needs it is skipped
+        try:
+            model, config = build(model_type, mapping, sizes)
+        except Exception as error:
+            errors.append(f"tiny config: {type(error).__name__}: {error}")
+            continue
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            row.update(verdict="skipped", reason="the model does not support gradient checkpointing")
+            return _finish(row, start)
+        try:
+            model.gradient_checkpointing_enable()
+            batch = make_batch(model, config, mapping)
+            state = copy.deepcopy(model.state_dict())
+            train_step(model, batch, "plain")  # a first forward may change the model (BigBird's attention type)
+            model.load_state_dict(state)
+            model.zero_grad(set_to_none=True)
+            plain = train_step(model, batch, "plain")
+            break
+        except Exception as error:
+            errors.append(f"plain checkpointed step: {type(error).__name__}: {str(error)[:300]}")
+            plain = None
+    if plain is None:
+        row.update(verdict="skipped", reason=errors[-1] if errors else "no model")
+        return _finish(row, start)
+    row["params"] = sum(p.numel() for p in model.parameters())
+    row["calls"] = len(plain.calls)
+    row["call_owners"] = sorted({o for o, _ in plain.calls})
+    row["measured"] = plain.bytes if hasattr(plain, "bytes") else sum(n for _, n in plain.calls)
+    problems: list[str] = []
+    runs: dict[str, StepResult] = {}
+    for mode in ("on", "partial"):
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        level = None
+        if mode == "partial":
+            layers = runs["on"].layers or 0
+            if layers < 2:
+                row["partial"] = "n/a (fewer than 2 layers planned)"
+                continue
+            level = layers // 2
+        try:
+            runs[mode] = train_step(model, batch, mode, level)
+        except Exception as error:
+            row.update(
+                verdict="crash",
+                reason=f"mode {mode}: {type(error).__name__}: {str(error)[:300]}",
+                traceback=traceback.format_exc()[-2000:],
+            )
+            return _finish(row, start)
+    on = runs["on"]
+    measured = sum(n for _, n in plain.calls)
+    row.update(
+        layers=on.layers,
+        moved=on.moved,
+        arithmetic=on.arithmetic,
+        warnings=sorted(set(on.warnings) | set(runs["partial"].warnings if "partial" in runs else [])),
+        logs=on.logs[:6],
+        measured=measured,
+    )
+    for mode, run in runs.items():
+        differ = _same(plain, run)
+        if differ:
+            problems.append(f"{mode}: {differ}")
+        if sum(n for _, n in run.calls) != measured:
+            problems.append(f"{mode}: checkpointed inputs {sum(n for _, n in run.calls)} != plain's {measured}")
+    if "partial" in runs:
+        partial = runs["partial"]
+        row.update(partial_level=partial.layers and partial.layers // 2, partial_moved=partial.moved)
+        row["partial_arithmetic"] = partial.arithmetic
+        if on.moved == measured and measured > 0:
+            if partial.arithmetic is None or partial.moved != round(partial.arithmetic):
+                problems.append(f"partial: moved {partial.moved} != arithmetic {partial.arithmetic}")
+            sums = _subset_sums([n for _, n in plain.calls], row["partial_level"])
+            if sums is not None and partial.moved not in sums:
+                problems.append(f"partial: moved {partial.moved} is not the input of {row['partial_level']} calls")
+    warned = row["warnings"]
+    if on.moved == 0 and measured > 0 and not problems:
+        if len(warned) == 1 and "no checkpointed layers found" not in warned[0]:
+            row.update(verdict="plain-with-warning", reason=warned[0])
+        elif not warned:
+            problems.append(f"on: moved 0 of {measured} bytes with no warning (silent miss); L={on.layers}")
+        else:
+            problems.append(f"on: moved 0 of {measured} bytes; warnings: {' | '.join(warned)}")
+    elif measured == 0:
+        problems.append("no checkpointed call with a positional input seen (nothing to move)")
+    else:
+        if on.moved != measured:
+            problems.append(
+                f"on: moved {on.moved} != measured {measured} ({len(plain.calls)} checkpointed calls, L={on.layers})"
+            )
+        if on.arithmetic is None or round(on.arithmetic) != on.moved:
+            problems.append(f"on: arithmetic {on.arithmetic} != moved {on.moved}")
+        if warned and not problems:
+            problems.append(f"warned while moving everything: {' | '.join(warned)}")
+    if "verdict" not in row:
+        row.update(verdict="wrong", reason="; ".join(problems)) if problems else row.update(verdict="correct")
+    return _finish(row, start)
+
+
+def _finish(row: dict[str, Any], start: float) -> dict[str, Any]:
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+# ---- the sweep ------------------------------------------------------------------------------------------
+
+
+def model_types(mappings: list[str]) -> list[tuple[str, str]]:
+    """(type, mapping) for every type of the named mappings of the installed transformers (a type in both the
+    causal-LM and the image-text mapping runs once, as a causal LM; an encoder-decoder type that also has a
+    causal-LM class, its decoder alone, runs in both)."""
+    from transformers.models.auto import modeling_auto
+
+    pairs: list[tuple[str, str]] = []
+    for mapping in mappings:
+        for model_type in getattr(modeling_auto, MAPPINGS[mapping][0], {}):
+            if mapping == "image-text" and (model_type, "causal") in pairs:
+                continue
+            pairs.append((model_type, mapping))
+    return pairs
+
+
+def _child_row(model_type: str, mapping: str, path: Path) -> None:
+    """In a forked child: judge one type, write its row to ``path``, and leave without cleanup."""
+    try:
+        row = check_type(model_type, mapping)
+    except BaseException as error:  # anything the sweep itself hits is that type's crash
+        row = {"type": model_type, "mapping": mapping, "verdict": "crash", "reason": f"{type(error).__name__}: {error}"}
+    path.write_text(json.dumps(row, default=str))
+    os._exit(0)
+
+
+def sweep(pairs: list[tuple[str, str]], timeout: float, jobs: int, scratch: Path) -> Any:
+    """Yield one row per (type, mapping), each judged in a process of its own, ``jobs`` at a time: a fork of
+    this process (torch and transformers already imported, which saves seconds per type), killed after
+    ``timeout`` seconds. A child that dies or hangs is that type's crash; the sweep goes on."""
+    import signal
+
+    import torch  # noqa: F401 - imported once here, shared by every fork
+    import transformers  # noqa: F401
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    waiting, running = list(pairs), {}
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            model_type, mapping = waiting.pop(0)
+            path = scratch / f"{model_type}.{mapping}.json"
+            path.unlink(missing_ok=True)
+            pid = os.fork()
+            if pid == 0:
+                _child_row(model_type, mapping, path)
+            running[pid] = (model_type, mapping, path, time.perf_counter())
+        time.sleep(0.2)
+        for pid, (model_type, mapping, path, start) in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            elapsed = time.perf_counter() - start
+            if done == 0 and elapsed < timeout:
+                continue
+            if done == 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            del running[pid]
+            if done and path.exists():
+                row = json.loads(path.read_text())
+            elif done:
+                row = {"verdict": "crash", "reason": f"child died ({_status(status)})"}
+            else:
+                row = {"verdict": "crash", "reason": f"timeout after {timeout:.0f} s"}
+            row.update(type=model_type, mapping=mapping, wall_seconds=round(elapsed, 1))
+            yield row
+
+
+def _status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+VERDICTS = ("correct", "plain-with-warning", "wrong", "crash", "skipped")
+
+
+def write_tables(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+    (out / "conformance.json").write_text(json.dumps({"meta": meta, "counts": counts, "rows": rows}, indent=1) + "\n")
+    lines = [
+        f"# Conformance sweep, transformers {meta['transformers']}, torch {meta['torch']}",
+        "",
+        f"Command: `{meta['command']}`; wall time {meta['wall_seconds']:.0f} s on {meta['machine']}.",
+        "",
+        "Counts: " + ", ".join(f"{v} {n}" for v, n in counts.items()),
+        "",
+        "| type | mapping | verdict | L | calls | measured | moved | arithmetic | partial moved | s | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        arithmetic = r.get("arithmetic")
+        reason = str(r.get("reason", "")).replace("|", "/").replace("\n", " ")[:300]
+        lines.append(
+            f"| {r['type']} | {r['mapping']} | {r['verdict']} | {r.get('layers', '')} | {r.get('calls', '')} | "
+            f"{r.get('measured', '')} | {r.get('moved', '')} | {'' if arithmetic is None else round(arithmetic)} | "
+            f"{r.get('partial_moved', '')} | {r.get('seconds', r.get('wall_seconds', ''))} | {reason} |"
+        )
+    (out / "conformance.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--types", help="comma-separated model types (default: every type of the mappings)")
+    parser.add_argument("--mappings", default=",".join(MAPPINGS), help=f"comma-separated, of {', '.join(MAPPINGS)}")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per type")
+    parser.add_argument("--jobs", type=int, default=1, help="types run at once")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--mapping", default="causal", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.one:
+        print(json.dumps(check_type(args.one, args.mapping), default=str))
+        return 0
+    mappings = args.mappings.split(",")
+    pairs = model_types(mappings)
+    if args.types:
+        wanted = args.types.split(",")
+        pairs = sorted((p for p in pairs if p[0] in wanted), key=lambda p: wanted.index(p[0]))  # in the order given
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    scratch = Path(tempfile.mkdtemp(prefix="conformance-"))
+    for row in sweep(pairs, args.timeout, max(1, args.jobs), scratch):
+        rows.append(row)
+        print(f"{row['type']:32s} {row['mapping']:10s} {row['verdict']:18s} {str(row.get('reason', ''))[:150]}")
+        sys.stdout.flush()
+        if args.out:  # as it goes: an interrupted sweep keeps its rows
+            write_tables(rows, args.out, _meta(argv, mappings, args.timeout, start))
+    meta = _meta(argv, mappings, args.timeout, start)
+    if args.out:
+        write_tables(rows, args.out, meta)
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+    print(json.dumps(counts), f"{meta['wall_seconds']:.0f} s")
+    return 0
+
+
+def _meta(argv: list[str] | None, mappings: list[str], timeout: float, start: float) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} core(s), shared",
+        "command": "python " + " ".join([Path(__file__).name] + (argv if argv is not None else sys.argv[1:])),
+        "wall_seconds": time.perf_counter() - start,
+        "mappings": mappings,
+        "timeout_s": timeout,
+        "autooffload": str(Path(__import__("autooffload").__file__).parent),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
