@@ -244,7 +244,7 @@ class OffloadController:
         the measured bytes and the history not yet written. The settings, the probe, a policy object given at
         construction and the model it is attached to stay. The Trainer callback calls it at every ``train()``
         that does not resume from a checkpoint; a custom loop that trains again from scratch calls it itself."""
-        self.policy = self.policy_choice if self.policy_choice is not None else make_policy(self.settings)
+        self.policy = self._fresh_policy()
         self.stats.step_bytes = self.stats.total_bytes = self.stats.tensors = 0  # the switch holds this object
         self.budget = CompileBudget(self.settings.compile_max_switches)
         self.identity: dict[str, Any] | None = self._attached_identity if self._model is not None else None
@@ -287,6 +287,18 @@ class OffloadController:
         self._reading_kept_bytes = 0.0
         self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
         self.recorder = HistoryRecorder()
+
+    def _fresh_policy(self) -> Policy:
+        """The policy a new run starts with: the caller's object as it is, or the named one with a fresh state (the
+        same object, when it is of the kind the settings name: a caller may hold it)."""
+        if self.policy_choice is not None:
+            return self.policy_choice
+        fresh = make_policy(self.settings)
+        current = getattr(self, "policy", None)
+        if type(current) is not type(fresh):
+            return fresh
+        current.load_state_dict(fresh.state_dict())
+        return current
 
     # ---- apply ---------------------------------------------------------------------------------------
 

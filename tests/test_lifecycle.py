@@ -195,13 +195,12 @@ def test_a_failed_train_leaves_one_controller_for_the_next_run(tmp_path, through
     net = model()
     lengths = [64, 96, 128]
     args = training_args(tmp_path, 3)
-    failed = AutoOffloadCallback(mode="on", probe=None)
     trainer = FailingTrainer(model=net, args=args, train_dataset=dataset(lengths))
     trainer.fail_at = 2
     if through == "attach":
-        attach(trainer, mode="on", probe=None)
-        failed = trainer.callback_handler.callbacks[-1]
+        failed = attach(trainer, mode="on", probe=None)
     else:
+        failed = AutoOffloadCallback(mode="on", probe=None)
         trainer.add_callback(failed)
     with pytest.raises(RuntimeError, match="injected"):
         trainer.train()
