@@ -12,6 +12,7 @@ therefore adds its keys on the way in, by wrapping the ``log`` method of the Tra
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import weakref
@@ -21,6 +22,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from . import lifecycle
 from .apply.compile_guard import is_compiled
 from .apply.paths import deepspeed_config_warning
 from .controller import OffloadController, logger
@@ -122,9 +124,11 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
     @guarded("on_train_begin", retry=True)
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._resolve_settings(args)
-        saved = self._saved_state(state)
+        saved = self._saved_state(state) if lifecycle.resumed(state) else None
         if saved is not None:
             self.controller.load_state_dict(saved)
+        else:
+            self.controller.reset()
         trainer = _running_trainer()
         compiled = bool(getattr(args, "torch_compile", False)) or None
         if trainer is not None and compiled is None:
@@ -177,6 +181,11 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             summary = self.controller.finish()  # every rank: a collective under torch.distributed
             if state.is_world_process_zero:
                 logger.info(summary)
+        self._write_history()
+        self.controller.detach()
+
+    def abandon(self) -> None:
+        """``train()`` raised: write the history and detach, as ``on_train_end`` would (without its collective)."""
         self._write_history()
         self.controller.detach()
 
@@ -242,9 +251,8 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
     # ---- checkpoints ---------------------------------------------------------------------------------
 
     def _saved_state(self, state: Any) -> dict[str, Any] | None:
-        # Trainer restores callback objects only with ``restore_callback_states_from_checkpoint=True``, but it
-        # always loads ``stateful_callbacks`` from the checkpoint into ``state``: read ours from there. On a
-        # fresh run the entry is this callback's own current state, so loading it changes nothing.
+        # Trainer restores callback objects only with ``restore_callback_states_from_checkpoint=True``, but on
+        # resume it always loads ``stateful_callbacks`` from the checkpoint into ``state``: read ours from there.
         entry = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
         if isinstance(entry, list):
             entry = entry[0] if entry else None
@@ -264,7 +272,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         previous = self._predecessor() if self._predecessor is not None else None
         if previous is not None and previous is not self:
             self.controller.probe_choice = previous.controller.probe_choice
-            self.controller.policy = previous.controller.policy
+            self.controller.policy_choice = previous.controller.policy_choice
         self.controller.load_state_dict(value)
 
 
@@ -294,4 +302,25 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
         with_rescue(trainer, lambda: (current() or callback).controller)
     elif callback.controller.settings.rescue:
         callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
+    _clean_up_when_train_raises(trainer, lambda: current() or callback)
     return callback
+
+
+def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
+    """Wrap ``trainer.train`` on the instance: Trainer calls no ``on_train_end`` when ``train()`` raises, so the
+    wrapper writes the history and detaches the controller (no hook left on the model) before the error goes on.
+    No end-of-training collective: the other ranks may not get there. Wrapping twice does nothing."""
+    train = trainer.train
+    if getattr(train, "_autooffload_cleanup", False):
+        return
+
+    @functools.wraps(train)
+    def train_with_clean_up(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            callback().abandon()
+            raise
+
+    train_with_clean_up._autooffload_cleanup = True
+    trainer.train = train_with_clean_up

@@ -23,12 +23,14 @@ fallback.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 import torch
 
+from . import lifecycle
 from .apply.compile_guard import CompileBudget, is_compiled
 from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_node
 from .apply.offload import OffloadStats
@@ -71,44 +73,101 @@ def token_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
 class OffloadController:
     """Decides per micro-batch how many checkpointed layers keep their saved input in host memory.
 
-    ``settings``: a :class:`~autooffload.settings.Settings` (default: ``Settings.from_env()``).
+    ``settings``: a :class:`~autooffload.settings.Settings` (default: ``Settings.from_env()``); the keyword
+    arguments of :class:`~autooffload.callback.AutoOffloadCallback` (``mode="on"``, ``min_steps=4``, ...)
+    override it, or ``AUTOOFFLOAD_*`` variables where no ``settings`` is given.
     ``probe``: a :class:`~autooffload.observe.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
-    ``None`` (no memory signal). ``policy``: any object with ``decide(Observation) -> int`` (default: the
-    one ``settings.policy`` names). ``compiled``: force or deny the torch.compile budget; by default it is on
-    when the attached model is compiled. ``host``: the host memory manager both engines take buffers from
-    (default: one whose budget is set at attach from ``settings.host_memory`` and ``LOCAL_WORLD_SIZE``).
+    ``None`` (no memory signal). ``policy``: a policy's name (the ``policy`` setting) or any object with
+    ``decide(Observation) -> int`` (default: the one ``settings.policy`` names; an object given here is the
+    caller's: :meth:`reset` does not reset it). ``compiled``: force or deny the torch.compile budget; by default
+    it is on when the attached model is compiled. ``host``: the host memory manager both engines take buffers
+    from (default: one whose budget is set at attach from ``settings.host_memory`` and ``LOCAL_WORLD_SIZE``).
     """
 
     def __init__(
         self,
         settings: Settings | None = None,
         *,
+        mode: str | None = None,
+        memory_high: float | None = None,
+        memory_low: float | None = None,
+        seq_high: int | None = None,
+        seq_low: int | None = None,
+        min_steps: int | None = None,
+        compile_max_switches: int | None = None,
+        engine: str | None = None,
+        sync_ranks: bool | None = None,
+        recompute: str | None = None,
+        rescue: bool | None = None,
+        host_memory: str | None = None,
         probe: MemoryProbe | str | None = "auto",
-        policy: Policy | None = None,
+        policy: Policy | str | None = None,
         host: HostMemory | None = None,
     ) -> None:
-        self.settings = settings if settings is not None else Settings.from_env()
+        given = dict(
+            mode=mode,
+            memory_high=memory_high,
+            memory_low=memory_low,
+            seq_high=seq_high,
+            seq_low=seq_low,
+            min_steps=min_steps,
+            compile_max_switches=compile_max_switches,
+            engine=engine,
+            sync_ranks=sync_ranks,
+            recompute=recompute,
+            rescue=rescue,
+            host_memory=host_memory,
+            policy=policy if isinstance(policy, str) else None,
+        )
+        given = {key: value for key, value in given.items() if value is not None}
+        if settings is None:
+            settings = Settings.from_env(**given)
+        elif given:
+            settings = dataclasses.replace(settings, **given)
+        self.settings = settings
         self.host = host if host is not None else HostMemory()
         self.agreement: AgreementGroup | None = None
         self.ranks_agree = True  # False when a rank found no layers at attach: then no rank makes collectives
         self._cap_logged = False
-        self.policy = policy if policy is not None else make_policy(self.settings)
+        self.policy_choice: Policy | None = None if isinstance(policy, str) else policy
         self.probe_choice = probe
         self.probe: MemoryProbe | None = None
         self.stats = OffloadStats()
+        self.compiled = False
+        self.logits_token_bytes: float | None = None
+        self.work_token_bytes: float | None = None
+        self.optimizer: Any = None
+        self.switch: CheckpointSwitch | None = None
+        self.reinstalls = 0
+        self._model: torch.nn.Module | None = None
+        self._dormant: list[tuple[torch.nn.Module, str, Any]] = []
+        self._hook: Any = None
+        self._attached_identity: dict[str, Any] | None = None  # the attached model's (autooffload.lifecycle)
+        self._layer_bytes_guess: float | None = None  # its bytes per token of a layer input, from the config
+        self.warn = WarnOnce()
+        # The ladder's keep rung (recompute="auto"): what a kept layer adds, measured (seeded at attach).
+        self.kept_model = KeptLayerModel()
+        self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
+        self._width: observe.LayerInputWidth | None = None  # reads the first layer call's input width
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new run: forget the steps, the dwell, the switches, the memory readings, the policy's samples,
+        the measured bytes and the history not yet written. The settings, the probe, a policy object given at
+        construction and the model it is attached to stay. The Trainer callback calls it at every ``train()``
+        that does not resume from a checkpoint; a custom loop that trains again from scratch calls it itself."""
+        self.policy = self._fresh_policy()
+        self.stats.step_bytes = self.stats.total_bytes = self.stats.tensors = 0  # the switch holds this object
         self.budget = CompileBudget(self.settings.compile_max_switches)
+        self.identity: dict[str, Any] | None = self._attached_identity if self._model is not None else None
         self.step = 0
         self.switches = 0
         self.steps_offloading = 0
         self.latched = False
-        self.compiled = False
         self.memory_fraction: float | None = None
         self.memory_bytes: int | None = None
         self.total_bytes: int | None = None
-        self.layer_token_bytes: float | None = None
-        self.logits_token_bytes: float | None = None
-        self.work_token_bytes: float | None = None
-        self.optimizer: Any = None
+        self.layer_token_bytes: float | None = self._layer_bytes_guess if self._model is not None else None
         self.pending_bytes = 0
         self.last_step_clean = True
         self._side_work = False
@@ -124,21 +183,15 @@ class OffloadController:
         self.active = 0.0
         self.last_seq_len = 0
         self.last_tokens = 0
-        self.switch: CheckpointSwitch | None = None
-        self.reinstalls = 0
-        self._model: torch.nn.Module | None = None
-        self._dormant: list[tuple[torch.nn.Module, str, Any]] = []
-        self._hook: Any = None
         self._micro_batches = 0
         self._offloaded_this_step = False
         self._policy_failed = False
         self.level: int | None = None
         self.worst_rank: RankPeak | None = None
-        self.warn = WarnOnce()
-        # The ladder's keep rung (recompute="auto"): what a kept layer adds, measured; the fraction kept on the
-        # last micro-batch; the longest micro-batch a reading has covered (keep never goes past it); and what
-        # the step's kept layers added to its reading, so that the policy learns the peak as if all recomputed.
-        self.kept_model = KeptLayerModel()
+        # The fraction kept on the last micro-batch; the longest micro-batch a reading has covered (keep never
+        # goes past it); and what the step's kept layers added to its reading, so that the policy learns the
+        # peak as if all recomputed.
+        self.kept_model = KeptLayerModel(self.kept_model.seed)
         self.kept = 0.0
         self.longest_read_tokens = 0
         self._step_tokens = 0
@@ -146,8 +199,18 @@ class OffloadController:
         self._reading_kept_bytes = 0.0
         self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
         self.recorder = HistoryRecorder()
-        self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
-        self._width: observe.LayerInputWidth | None = None
+
+    def _fresh_policy(self) -> Policy:
+        """The policy a new run starts with: the caller's object as it is, or the named one with a fresh state (the
+        same object, when it is of the kind the settings name: a caller may hold it)."""
+        if self.policy_choice is not None:
+            return self.policy_choice
+        fresh = make_policy(self.settings)
+        current = getattr(self, "policy", None)
+        if type(current) is not type(fresh):
+            return fresh
+        current.load_state_dict(fresh.state_dict())
+        return current
 
     # ---- apply ---------------------------------------------------------------------------------------
 
@@ -160,12 +223,14 @@ class OffloadController:
         """
         self.failed = False
         self.detach()
+        lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing
         targets, unknown = find_targets(model)
         for key, message in uncontrolled(model, unknown):
             self.warn(key, message)
         self._join_ranks(bool(targets))
         if not targets:
+            lifecycle.let_go(model, self)
             self._model = None
             if not unknown:  # otherwise checkpointing is on, and the warning above named the function it runs
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
@@ -174,10 +239,10 @@ class OffloadController:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
         self.switch.on_measured = self._on_measured
-        self.kept_model.seed = self.kept_model.seed or observe.layer_shape(model)
+        self._measured_on(model)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
-        self.layer_token_bytes = self.layer_token_bytes or observe.layer_token_bytes(model)
+        self.layer_token_bytes = self.layer_token_bytes or self._layer_bytes_guess
         self._read_input_width()
         self.logits_token_bytes, self.work_token_bytes = observe.token_terms(model)
         self.optimizer = optimizer if optimizer is not None else self.optimizer
@@ -266,8 +331,28 @@ class OffloadController:
             else:
                 self.switch.apply(0)
             self.switch = None
-        self._model = None
+        lifecycle.let_go(self._model, self)
+        self._model, self._dormant, self.optimizer = None, [], None
         self.host.release_all()
+
+    def retire(self) -> None:
+        """Another controller takes this one's model over: remove the hooks and put back the functions found."""
+        self.detach(restore=True)
+
+    def _measured_on(self, model: torch.nn.Module) -> None:
+        """Take the identity of the model being attached; drop measurements taken on a model of another one."""
+        assert self.switch is not None
+        self._layer_bytes_guess = observe.layer_token_bytes(model)
+        self.kept_model.seed = observe.layer_shape(model)
+        identity = lifecycle.model_identity(
+            model, layers=len(self.switch.layers), hidden=observe.hidden_size(model), recompute=self.settings.recompute
+        )
+        held = self.state_dict()
+        kept = lifecycle.measurements_for(held, identity)
+        if kept is not held:
+            self.reset()
+            self._restore(kept)
+        self._attached_identity = self.identity = identity
 
     def _follow_installed(self) -> None:
         """Rebuild the targets if the checkpoint functions changed hands since the last forward.
@@ -399,7 +484,7 @@ class OffloadController:
             self.switches += 1
             logger.info(
                 "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s)",
-                self.step,
+                self.step + 1,
                 seq_len,
                 self.switch.offloaded,
                 level,
@@ -443,7 +528,7 @@ class OffloadController:
             logger.info(
                 "autooffload: step %d: offload capped at %d of the %d layer(s) asked for: the host memory budget "
                 "(%.1f MiB for this rank, AUTOOFFLOAD_HOST_MEMORY=%s) holds no more at %d tokens",
-                self.step,
+                self.step + 1,
                 cap,
                 level,
                 self.host.budget_bytes / 2**20,
@@ -573,7 +658,7 @@ class OffloadController:
         self.recorder.rescue()
         logger.warning(
             "autooffload: step %d ran out of device memory; rerunning it with all %d layer(s) offloaded",
-            self.step,
+            self.step + 1,
             len(self.switch.layers),
         )
         return True
@@ -763,6 +848,7 @@ class OffloadController:
             "kept_model": self.kept_model.state_dict(),
             "longest_read_tokens": self.longest_read_tokens,
             "reading_kept_bytes": self._reading_kept_bytes,
+            "identity": self.identity,
         }
 
     def _policy_state(self) -> dict[str, Any] | None:
@@ -775,12 +861,29 @@ class OffloadController:
             return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.switches = int(state["switches"])
+        """Continue the run a checkpoint saved: everything of this controller's run is replaced by ``state``.
+
+        Measurements taken on a model of another identity than the attached one (:mod:`autooffload.lifecycle`)
+        are dropped, with one INFO line; before attach, :meth:`attach` checks them.
+        """
+        if self._model is not None:
+            state = lifecycle.measurements_for(state, self.identity)
+        self.reset()
+        self._restore(state)
+        # The checkpoint was written after its last step; in the uninterrupted run the next reading follows
+        # that save, and here it follows the load: either way no clean sample, unless the probe's reset at the
+        # step's start keeps the work out of it.
+        self._side_work = True
+        if self.switch is not None:
+            self._apply(self.level if self.level is not None else max(self.switch.offloaded, 0))
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+        self.switches = int(state.get("switches", 0))
         self.steps_offloading = int(state.get("steps_offloading", 0))
         self.stats.total_bytes = int(state.get("total_bytes", 0))
-        self.latched = bool(state["latched"])
-        self.budget.spent = int(state["budget_spent"])
+        self.latched = bool(state.get("latched", False))
+        self.budget.spent = int(state.get("budget_spent", 0))
         self.rescues = int(state.get("rescues", 0))
         memory = state.get("memory") or {}
         self.memory_fraction = memory.get("fraction")
@@ -795,6 +898,8 @@ class OffloadController:
         self.kept_model.load_state_dict(state.get("kept_model") or {})
         self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
         self._reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
+        if "identity" in state and self._model is None:
+            self.identity = state["identity"]
         if self.level is not None:
             self._micro_batches = 1  # the next change of level is a switch, as it would have been
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
@@ -805,5 +910,3 @@ class OffloadController:
                     "policy-state",
                     f"the saved policy state does not fit {type(self.policy).__name__} ({error!r}); it starts afresh",
                 )
-        if self.switch is not None and self.level is not None:
-            self._apply(self.level)

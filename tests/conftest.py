@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib import metadata
 
 import pytest
 import torch
@@ -12,6 +13,30 @@ from transformers import Trainer, TrainingArguments
 from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
 
 LAYERS, HIDDEN, VOCAB = 4, 64, 256
+RELEASES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed")
+
+
+def releases() -> str:
+    """The installed release of every package the suite runs against ("absent" where one is not installed)."""
+
+    def release(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return ", ".join(f"{name} {release(name)}" for name in RELEASES)
+
+
+def pytest_report_header(config) -> str:
+    return f"releases: {releases()}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    # Also under -q (which drops the header): the releases a result was obtained with, next to the result.
+    terminalreporter.write_line(f"releases: {releases()}")
+
+
 NEW_NAMES = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import sys
 
 import pytest
@@ -178,3 +179,15 @@ def test_plot_without_matplotlib_names_the_extra(hysteresis_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert err == "autooffload plot: error: matplotlib is needed to plot: pip install autooffload[plot]\n"
     assert not (tmp_path / "t.png").exists()
+
+
+def test_the_switch_line_numbers_steps_as_the_history_does(tmp_path, caplog):
+    callback = AutoOffloadCallback(seq_high=200, seq_low=100, min_steps=1, probe=None, policy="hysteresis")
+    with caplog.at_level(logging.INFO, logger="transformers.autooffload"):
+        train(tmp_path, [64, 256, 64], callbacks=[callback])
+    records = read_history(history_path(tmp_path))
+    assert [r["step"] for r in records if r["switches"]] == [2, 3]
+    assert [r.getMessage() for r in caplog.records if " -> " in r.getMessage()] == [
+        "autooffload: step 2, seq 256: offload 0 -> 4 of 4 layer(s)",
+        "autooffload: step 3, seq 64: offload 4 -> 0 of 4 layer(s)",
+    ]

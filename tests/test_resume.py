@@ -7,6 +7,7 @@ from conftest import InOrderTrainer, dataset, expected_bytes, model, training_ar
 from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, ScriptedProbe
+from autooffload.history import history_path, read_history
 
 LENGTHS = [64, 256, 64, 64, 64]
 
@@ -85,7 +86,7 @@ def levels_run(tmp_path, policy, steps, fractions, resume=None, save_steps=None)
 
 @pytest.mark.parametrize("policy", ["hysteresis", "predictive"])
 def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, policy):
-    whole = levels_run(tmp_path / "whole", policy, 6, CURVE)
+    whole = levels_run(tmp_path / "whole", policy, 6, CURVE, save_steps=3)  # the save the resumed one comes from
     levels_run(tmp_path / "first", policy, 3, CURVE, save_steps=3)
     # The resumed run's probe continues the curve where the first run's stopped.
     resumed = levels_run(tmp_path / "first", policy, 6, CURVE[3:], resume=str(tmp_path / "first" / "checkpoint-3"))
@@ -93,3 +94,46 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, policy):
     assert whole.levels[6] > 0  # the step after the save offloads, from the reading saved with the checkpoint
     assert resumed.levels == whole.levels[6:]
     assert resumed.moved == whole.moved[3:]
+
+
+# Resume is exact: a run resumed from a checkpoint decides, step by step and micro-batch by micro-batch, as the
+# run that saved it went on to decide (same saves: a save between two steps is in the uninterrupted run too).
+EXACT_LENGTHS = [64, 96, 128, 64, 160, 64, 96, 64, 128, 80]  # 5 steps of 2 micro-batches
+EXACT = {
+    # 95% read up to step 2, the checkpoint's step, then 50%: hysteresis holds offload through step 4
+    "high_until_the_checkpoint": ({}, [0.95, 0.95, 0.5]),
+    "high_after_the_checkpoint": ({}, [0.5, 0.5, 0.95, 0.5]),
+    "short_dwell_low_thresholds": (
+        {"min_steps": 1, "memory_high": 0.6, "memory_low": 0.4},
+        [0.3, 0.65, 0.5, 0.35, 0.7],
+    ),
+    "recompute_auto": ({"recompute": "auto"}, [0.3, 0.5, 0.95, 0.3]),
+    "sequence_trigger": ({"seq_high": 150, "seq_low": 100, "min_steps": 3}, [0.3]),
+}
+
+
+def exact_run(out, settings, curve, steps, resume=None):
+    callback = AutoOffloadCallback(probe=ScriptedProbe(curve), **settings)
+    args = training_args(out, steps, gradient_accumulation_steps=2, save_strategy="steps", save_steps=2)
+    trainer = InOrderTrainer(model=model(), args=args, train_dataset=dataset(EXACT_LENGTHS), callbacks=[callback])
+    trainer.train(resume_from_checkpoint=resume)
+    return read_history(history_path(out)), callback.controller.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:.*RECOMPUTE=auto needs a policy that predicts")  # hysteresis keeps nothing
+@pytest.mark.parametrize("policy", ["predictive", "hysteresis"])
+@pytest.mark.parametrize("name", list(EXACT))
+def test_resume_is_exact_for_every_policy_and_setting(tmp_path, monkeypatch, policy, name):
+    monkeypatch.setenv("AUTOOFFLOAD_POLICY", policy)
+    settings, curve = EXACT[name]
+    whole, whole_state = exact_run(tmp_path / "whole", settings, curve, 5)
+    exact_run(tmp_path / "cut", settings, curve, 2)
+    checkpoint = str(tmp_path / "cut" / "checkpoint-2")
+    rest = curve[2:] or curve[-1:]  # the probe goes on where the first run's stopped
+    resumed, resumed_state = exact_run(tmp_path / "cut", settings, rest, 5, resume=checkpoint)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert [(r["offloaded"], r["kept"], r["reasons"]) for r in resumed] == [
+        (r["offloaded"], r["kept"], r["reasons"]) for r in whole
+    ]
+    assert resumed == whole
+    assert resumed_state == whole_state
