@@ -70,7 +70,10 @@ def built(model_type: str, **fields) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type)
     for key in ("audio_config", "vision_config"):
         if key in fields:
-            getattr(config, key).update(fields.pop(key))
+            sub = getattr(config, key, None)
+            if sub is None:  # transformers 4.52's phi4_multimodal: no default vision config, the model cannot build
+                pytest.skip(f"{model_type}'s default config has no {key} in transformers {transformers.__version__}")
+            sub.update(fields.pop(key))
     config.update(fields)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)

@@ -232,11 +232,11 @@ def _plain_function(kwargs: dict[str, Any], counted: Callable[[], None] | None =
 
         return checkpoint_plain
 
-    def checkpoint_plain_layer(function, *args, **call_kwargs):
+    def checkpoint_plain(function, *args, **call_kwargs):
         counted()
         return checkpoint(function, *args, **kwargs, **call_kwargs)
 
-    return checkpoint_plain_layer
+    return checkpoint_plain
 
 
 class OffloadEngine(Protocol):
