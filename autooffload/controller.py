@@ -35,6 +35,7 @@ from .apply.compile_guard import CompileBudget, is_compiled
 from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_node
 from .apply.offload import OffloadStats
 from .apply.paths import uncontrolled
+from .apply.stacks import Stack, entries, plan_stacks, read_lengths
 from .apply.switch import CheckpointSwitch, find_targets, install_plain
 from .decide import ladder
 from .decide.activations import KeptLayerModel
@@ -142,6 +143,10 @@ class OffloadController:
         self._model: torch.nn.Module | None = None
         self._dormant: list[tuple[torch.nn.Module, str, Any]] = []
         self._hook: Any = None
+        self._hooks: list[Any] = []  # the post-forward hooks, and the entry modules' pre- and post-forward hooks
+        self.stacks: list[Stack] = []
+        self._stack_width: dict[str, float] = {}  # a stack's layer input per token, relative to layer_token_bytes
+        self._active: torch.nn.Module | None = None  # the entry whose call decided the running micro-batch
         self._attached_identity: dict[str, Any] | None = None  # the attached model's (autooffload.lifecycle)
         self._layer_bytes_guess: float | None = None  # its bytes per token of a layer input, from the config
         self.warn = WarnOnce()
@@ -183,6 +188,9 @@ class OffloadController:
         self.active = 0.0
         self.last_seq_len = 0
         self.last_tokens = 0
+        self._running: tuple[frozenset[int], list[float]] | None = None  # its offloaded layers, layer-tokens
+        self.last_observation: Observation | None = None
+        self.last_lengths: dict[str, tuple[int, int]] = {}
         self._micro_batches = 0
         self._offloaded_this_step = False
         self._policy_failed = False
@@ -239,6 +247,7 @@ class OffloadController:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
         self.switch.on_measured = self._on_measured
+        self._plan_stacks(model, targets)
         self._measured_on(model)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
@@ -249,6 +258,10 @@ class OffloadController:
         self.probe = self._make_probe(observe.model_devices(model))
         self._watch_model(model)
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        self._hooks = [model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)]
+        for module, stacks in entries(model, self.stacks):
+            if module is not model:
+                self._hooks += self._entry_hooks(module, stacks)
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
             self._latch()
         fixed = self._fixed_level()
@@ -293,8 +306,12 @@ class OffloadController:
         self._width = None if module is None else observe.LayerInputWidth(module, self._on_input_width)
 
     def _on_input_width(self, nbytes: int) -> None:
-        if self.last_tokens > 0 and self.last_step_bytes == 0 and self.stats.total_bytes == 0:
-            self.layer_token_bytes = nbytes / self.last_tokens
+        if self.switch is None or not self.switch.layers or self.last_step_bytes or self.stats.total_bytes:
+            return
+        stack = self.switch.layers[0].target.stack
+        tokens = self.last_lengths.get(stack, (0, 0))[1] * self._stack_width.get(stack, 1.0)
+        if tokens > 0:
+            self.layer_token_bytes = nbytes / tokens
 
     def _join_ranks(self, ready: bool) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
@@ -318,6 +335,9 @@ class OffloadController:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._active, self._running = [], None, None
         unwatch = getattr(self.probe, "unwatch_model", None)
         if callable(unwatch):
             unwatch()
@@ -405,6 +425,8 @@ class OffloadController:
         self.switch.close()
         self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
         self.switch.on_measured = self._on_measured
+        self._plan_stacks(self._model, targets)
+        self._running = None
         self.reinstalls += 1
         self._apply(level)
         logger.debug(
@@ -439,9 +461,46 @@ class OffloadController:
 
     # ---- observe and decide --------------------------------------------------------------------------
 
+    def _plan_stacks(self, model: torch.nn.Module, targets: list) -> None:
+        """The planned stacks, and each one's layer input per token relative to ``layer_token_bytes`` (its hidden
+        size over the model's: an encoder and a decoder of different widths)."""
+        self.stacks, warning = plan_stacks(model, targets)
+        if warning is not None:
+            self.warn("stacks-apart", warning)
+        reference = observe.hidden_size(model)
+        self._stack_width = {
+            stack.name: stack.hidden / reference if stack.hidden and reference else 1.0 for stack in self.stacks
+        }
+
+    def _entry_hooks(self, module: torch.nn.Module, stacks: list[Stack]) -> list[Any]:
+        """A pre- and a post-forward hook on a module that a micro-batch may enter without the attached model
+        (TRL's Liger-loss path calls ``model.model``): it decides there for the stacks it runs."""
+
+        def enter(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self._enter(entered, stacks, args, kwargs)
+
+        return [
+            module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+
+    @torch.compiler.disable
+    def _post_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._active is module:
+            self._active = None
+
+    @torch.compiler.disable
+    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._enter(module, self.stacks, args, kwargs)
+
     @torch.compiler.disable
     @guarded("the pre-forward hook")
-    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _enter(self, module: torch.nn.Module, stacks: list[Stack], args: tuple, kwargs: dict) -> None:
+        """The first entry a call reaches decides, once for the micro-batch and every stack the call runs;
+        the entries inside it (an encoder-decoder's encoder and decoder) then find it decided."""
+        if self._active is not None:
+            return
+        self._active = module
         if self.switch is not None:
             self.switch.new_forward()
         if not module.training:
@@ -449,29 +508,48 @@ class OffloadController:
         if not torch.is_grad_enabled():
             self._repair_for_no_grad()
             return
-        shape = token_shape(args, kwargs)
-        if shape is None:
-            self.warn(
-                "no-tokens",
-                f"{type(module).__name__} was called without input_ids or inputs_embeds; the sequence-length "
-                "trigger is off for such calls and only the memory reading decides",
-            )
-            shape = (0, 0)
+        lengths = read_lengths(module, stacks, args, kwargs) if stacks else {}
+        if not lengths:
+            shape = token_shape(args, kwargs)
+            if shape is None:
+                self.warn(
+                    "no-tokens",
+                    f"{type(module).__name__} was called without input_ids or inputs_embeds; the sequence-length "
+                    "trigger is off for such calls and only the memory reading decides",
+                )
+                shape = (0, 0)
+            lengths = {stack.name: shape for stack in stacks}
+            seq_len, tokens = shape
+        else:
+            seq_len, tokens = max(seq for seq, _ in lengths.values()), sum(t for _, t in lengths.values())
         if not self._step_begun:
             self.begin_step()
-        self.before_forward(*shape)
+        if len(self.stacks) > 1:
+            self.before_forward(seq_len, tokens, lengths)
+        else:  # one stack: the two-argument call that tests and benchmarks wrap
+            self.before_forward(seq_len, tokens)
 
-    def before_forward(self, seq_len: int, tokens: int) -> int:
-        """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded."""
+    def before_forward(self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None) -> int:
+        """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded.
+
+        ``seq_len``: the longest of the stacks' lengths (the sequence trigger reads it); ``tokens``: all
+        stacks' tokens together. ``lengths``: (sequence length, tokens) per planned stack, by name; a stack
+        not named runs no tokens, and without ``lengths`` every planned stack runs ``seq_len`` and ``tokens``."""
         if self.switch is None:
             return 0
+        self._close_micro_batch()
         self._follow_installed()
         self.switch.engine.begin_forward()
         self._settle_budget()
         self.last_seq_len, self.last_tokens = seq_len, tokens
-        cap = self._host_cap(tokens)
-        decided = self._capped(self._decide(seq_len, tokens, cap), cap) if self.switch.layers else 0
-        if self.settings.recompute == "auto":
+        self.last_lengths = dict(lengths) if lengths is not None else {s.name: (seq_len, tokens) for s in self.stacks}
+        per_call, layer_tokens, order = self._layer_tokens_and_order()
+        layer_bytes = self._layer_bytes(layer_tokens, order)
+        cap = self._host_cap(tokens, layer_bytes)
+        decided = self._capped(self._decide(seq_len, tokens, cap, layer_bytes), cap) if self.switch.layers else 0
+        if len(self.stacks) > 1:
+            level, keep = agree(self, decided, cap), 0  # several stacks: the keep rung keeps nothing
+        elif self.settings.recompute == "auto":
             level, keep = agree_plan(self, decided, self._plan_keep(seq_len, tokens, decided), cap)
         else:
             level, keep = agree(self, decided, cap), 0
@@ -491,11 +569,11 @@ class OffloadController:
                 len(self.switch.layers),
             )
         measure = keep > 0 and not self.compiled and self.kept_model.wants(tokens, seq_len)
-        self._apply(level, keep, measure)
+        self._apply(level, keep, measure, order)
         self._step_tokens = max(self._step_tokens, tokens)
         self._step_kept.append((tokens, seq_len, self.switch.kept))
         self._offloaded_this_step |= level > 0
-        self._layer_tokens += self.switch.offloaded * tokens
+        self._running = (frozenset(order[: self.switch.offloaded]), per_call)
         self._micro_batches += 1
         self.recorder.micro_batch(self, seq_len, tokens, switched)
         return level
@@ -508,13 +586,53 @@ class OffloadController:
             return 0
         return None
 
-    def _host_cap(self, tokens: int) -> int | None:
+    def _layer_tokens_and_order(self) -> tuple[list[float], list[float], tuple[int, ...]]:
+        """Per planned layer, the tokens of one call's saved input in this micro-batch, in units of
+        ``layer_token_bytes`` (its stack's tokens x its stack's width), and of all its calls (times its calls in
+        the last forward that ran it: HRM's cycles); and the order the layers offload in: those that free the
+        most first, module order among equals (the earliest first)."""
+        assert self.switch is not None
+        calls = self.switch.forward.last
+        per_call = []
+        for slot in self.switch.layers:
+            stack = slot.target.stack
+            per_call.append(self.last_lengths.get(stack, (0, 0))[1] * self._stack_width.get(stack, 1.0))
+        layer_tokens = [count * tokens for count, tokens in zip(calls, per_call, strict=True)]
+        order = tuple(sorted(range(len(layer_tokens)), key=lambda i: -layer_tokens[i]))
+        return per_call, layer_tokens, order
+
+    def _layer_bytes(self, layer_tokens: list[float], order: tuple[int, ...]) -> tuple[int, ...] | None:
+        if not self.layer_token_bytes:
+            return None
+        return tuple(round(layer_tokens[i] * self.layer_token_bytes) for i in order)
+
+    def _close_micro_batch(self) -> None:
+        """The micro-batch that ran last is over: add its offloaded layers' saved tokens, as its calls counted
+        them, to the step's (``end_step`` measures ``layer_token_bytes`` from them and the bytes moved)."""
+        if self.switch is None:
+            return
+        counts = self.switch.forward.take_counts()
+        if self._running is None:
+            return
+        offloaded, per_call = self._running
+        self._running = None
+        self._layer_tokens += sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
+
+    def _host_cap(self, tokens: int, layer_bytes: tuple[int, ...] | None = None) -> int | None:
         """The most layers whose saved inputs fit this rank's host budget at ``tokens``; None if not known yet."""
         assert self.switch is not None
         if self.host.budget_bytes is None or not self.layer_token_bytes or tokens <= 0:
             return None
         layers = len(self.switch.layers)
-        cap = min(layers, self.host.budget_bytes // page_round(round(self.layer_token_bytes * tokens)))
+        if layer_bytes is None:
+            cap = min(layers, self.host.budget_bytes // page_round(round(self.layer_token_bytes * tokens)))
+        else:
+            cap, held = 0, 0
+            for nbytes in layer_bytes:
+                held += page_round(nbytes)
+                if held > self.host.budget_bytes:
+                    break
+                cap += 1
         if self.compiled:
             cap = max(level for level in compile_levels(layers, self.settings.compile_max_switches) if level <= cap)
         return cap
@@ -537,8 +655,11 @@ class OffloadController:
             )
         return cap
 
-    def _decide(self, seq_len: int, tokens: int, host_layers: int | None = None) -> int:
+    def _decide(
+        self, seq_len: int, tokens: int, host_layers: int | None = None, layer_bytes: tuple[int, ...] | None = None
+    ) -> int:
         assert self.switch is not None
+        self.last_observation = None
         fixed = self._fixed_level()
         if fixed is not None:
             self.reason = fixed_reason(self.latched, self.rescuing, self.settings.mode)
@@ -556,7 +677,8 @@ class OffloadController:
             layers,
             memory_bytes=memory_bytes,
             total_bytes=self.total_bytes,
-            bytes_per_layer=round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None,
+            bytes_per_layer=round(sum(layer_bytes) / layers) if layer_bytes and layers else None,
+            layer_bytes=layer_bytes if layer_bytes and len(set(layer_bytes)) > 1 else None,
             levels=compile_levels(layers, self.settings.compile_max_switches) if self.compiled else None,
             last_step_rescued=self.last_step_rescued,
             logits_bytes_per_token=self.logits_token_bytes,
@@ -565,6 +687,7 @@ class OffloadController:
             last_step_clean=self.last_step_clean,
             host_layers=host_layers,
         )
+        self.last_observation = observation
         try:
             level = max(0, min(int(self.policy.decide(observation)), layers))
         except Exception as error:  # a user's policy must not end the run
@@ -593,6 +716,8 @@ class OffloadController:
         """
         assert self.switch is not None
         if level > 0 or self.settings.mode != "auto" or self._fixed_level() is not None or self._policy_failed:
+            return 0
+        if len(self.stacks) > 1:
             return 0
         if self.total_bytes is None or tokens <= 0 or tokens > self.longest_read_tokens:
             return 0
@@ -692,6 +817,7 @@ class OffloadController:
     @guarded("end_step")
     def end_step(self) -> None:
         """Close an optimizer step: bytes moved, memory reading, dwell counter."""
+        self._close_micro_batch()
         self._settle_budget()
         self.last_step_bytes = self.stats.next_step()
         if self.last_step_bytes and self._layer_tokens and not self.rescuing:
@@ -777,9 +903,9 @@ class OffloadController:
         self.memory_bytes, self.total_bytes = int(reading.used_bytes), int(reading.total_bytes)
         return self.memory_bytes / self.total_bytes
 
-    def _apply(self, level: int, keep: int = 0, measure: bool = False) -> None:
+    def _apply(self, level: int, keep: int = 0, measure: bool = False, order: tuple[int, ...] | None = None) -> None:
         assert self.switch is not None
-        self.switch.apply(level, keep, measure)
+        self.switch.apply(level, keep, measure, order)
         self.level = self.switch.offloaded
         self.active = self.level / len(self.switch.layers) if self.switch.layers else 0.0
         self.kept = self.switch.kept / len(self.switch.layers) if self.switch.layers else 0.0

@@ -134,7 +134,7 @@ def _tell_policy(controller: OffloadController, level: int) -> None:
     agreed = getattr(controller.policy, "agreed", None)
     if agreed is None or controller.switch is None:
         return
-    observation = Observation(
+    observation = controller.last_observation or Observation(
         controller.step,
         controller.last_seq_len,
         controller.last_tokens,

@@ -13,6 +13,11 @@ measures), and how many layers could keep on the device: under ``memory_high``, 
 what ``--other-memory`` says the rest of the step takes (weights, gradients, optimizer state; 0 by default,
 so the figure is an upper bound).
 
+An encoder-decoder config (``is_encoder_decoder``: T5, BART, Whisper) has two stacks, each with its own length:
+``--seq`` is the source length the encoder's layers see (Whisper: the input frames over its convolutions' stride
+2, 1500 for 30 s of audio) and ``--target-seq`` the decoder's; every figure counts both stacks, and no layer
+keeps (the controller keeps nothing on encoder-decoder models).
+
 No network and no torch work: the model is a local ``config.json`` (or ``--layers/--hidden``).
 """
 
@@ -33,7 +38,7 @@ from .settings import PAGE, Settings, SettingsError, parse_host_memory
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 # Hyper-connection models (DeepSeek-V4's mHC and its kin) carry several residual streams through every layer:
 # the layer input is [batch, seq, streams, hidden]. The config names the stream count under one of these keys.
@@ -88,6 +93,8 @@ class Estimate:
     other_memory_bytes: int = 0
     memory_high: float = 0.9
     streams: int = 1  # residual streams per token in a layer input (hyper-connections), x hidden
+    decoder_layers: int = 0  # an encoder-decoder's decoder stack (``layers`` is then the encoder's)
+    target_seq: int | None = None  # its length
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,6 +120,8 @@ def estimate(
     pinnable_bytes: int | None = None,
     pinnable_note: str = "",
     streams: int = 1,
+    decoder_layers: int = 0,
+    target_seq: int | None = None,
 ) -> Estimate:
     """Pure arithmetic and the recommendation; reads nothing from the machine (the caller passes what it read).
 
@@ -122,6 +131,8 @@ def estimate(
     ``ranks_per_node`` processes share the host: the node needs that many times a rank's pinned bytes, and
     each rank gets that share of ``host_budget_bytes`` (the node's budget, ``AUTOOFFLOAD_HOST_MEMORY``).
     ``streams``: a hyper-connection layer's input is ``streams`` x ``hidden`` wide per token.
+    ``decoder_layers`` and ``target_seq``: an encoder-decoder's decoder stack (``layers`` and ``seq`` are then
+    the encoder's); the sequence trigger reads the longer of the two lengths.
     """
     dtype = normalize_dtype(dtype)
     for name, value in (
@@ -133,6 +144,9 @@ def estimate(
         ("streams", streams),
     ):
         _require_positive(name, value)
+    if decoder_layers:
+        _require_positive("decoder layers", decoder_layers)
+        _require_positive("target seq", target_seq)
     if device_memory_bytes is not None:
         _require_positive("device memory", device_memory_bytes)
     _require_positive("host bandwidth", host_bandwidth_gbps)
@@ -140,20 +154,24 @@ def estimate(
 
     dtype_bytes = DTYPE_BYTES[dtype]
     per_layer = batch * seq * streams * hidden * dtype_bytes
-    saved = layers * per_layer
     per_buffer = -(-per_layer // PAGE) * PAGE
-    pinned = layers * per_buffer
+    stacks = [(layers, per_layer, per_buffer)]
+    if decoder_layers:
+        target = batch * target_seq * streams * hidden * dtype_bytes
+        stacks.append((decoder_layers, target, -(-target // PAGE) * PAGE))
+    saved = sum(count * nbytes for count, nbytes, _ in stacks)
+    pinned = sum(count * buffer for count, _, buffer in stacks)
+    trigger_seq = max(seq, target_seq or 0)
     node_pinned = ranks_per_node * pinned
     copy_bytes = 2 * saved
     host_fits = None if host_available_bytes is None else node_pinned <= host_available_bytes
-    budget_layers = (
-        None if host_budget_bytes is None else min(layers, host_budget_bytes // ranks_per_node // per_buffer)
-    )
-    verdict, text = _recommend(saved, node_pinned, seq, seq_high, device_memory_bytes, host_available_bytes)
-    if verdict != "not-needed" and budget_layers is not None and budget_layers < layers:
+    all_layers = layers + decoder_layers
+    budget_layers = None if host_budget_bytes is None else _fitting(stacks, host_budget_bytes // ranks_per_node)
+    verdict, text = _recommend(saved, node_pinned, trigger_seq, seq_high, device_memory_bytes, host_available_bytes)
+    if verdict != "not-needed" and budget_layers is not None and budget_layers < all_layers:
         text += (
             f"; the host memory budget ({gib(host_budget_bytes)} for {ranks_per_node} rank(s), "
-            f"AUTOOFFLOAD_HOST_MEMORY) caps offload at {budget_layers} of {layers} layers"
+            f"AUTOOFFLOAD_HOST_MEMORY) caps offload at {budget_layers} of {all_layers} layers"
         )
     if verdict != "not-needed" and pinnable_bytes is not None and pinned > pinnable_bytes:
         text += f"; pinning stops at {gib(pinnable_bytes)} ({pinnable_note}): the rest goes to pageable memory"
@@ -168,6 +186,7 @@ def estimate(
     if device_memory_bytes is not None:
         room = memory_high * device_memory_bytes - other_memory_bytes - saved
         keepable = max(0, min(layers, int(room // kept))) if kept > 0 else layers
+        keepable = 0 if decoder_layers else keepable
     return Estimate(
         layers=layers,
         hidden=hidden,
@@ -200,7 +219,20 @@ def estimate(
         other_memory_bytes=other_memory_bytes,
         memory_high=memory_high,
         streams=streams,
+        decoder_layers=decoder_layers,
+        target_seq=target_seq if decoder_layers else None,
     )
+
+
+def _fitting(stacks: list[tuple[int, int, int]], budget: int) -> int:
+    """Layers whose host buffers fit ``budget``, the largest first (the order the controller offloads in)."""
+    fitted = 0
+    for count, _, buffer in sorted(stacks, key=lambda stack: -stack[2]):
+        take = min(count, budget // buffer)
+        fitted, budget = fitted + take, budget - take * buffer
+        if take < count:
+            break
+    return fitted
 
 
 def _recommend(
@@ -302,6 +334,23 @@ def read_streams(path: str | Path) -> int:
     text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
     streams = _first_int([*text, config], STREAM_KEYS)
     return streams if streams is not None and streams > 0 else 1
+
+
+def read_encoder_decoder(path: str | Path) -> tuple[int, int] | None:
+    """(encoder layers, decoder layers) of an encoder-decoder ``config.json`` (``is_encoder_decoder``: BART's and
+    Whisper's ``encoder_layers``/``decoder_layers``, T5's ``num_layers``/``num_decoder_layers``); None otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict) or config.get("is_encoder_decoder") is not True:
+        return None
+    encoder = _first_int([config], ("encoder_layers", "num_layers", "num_hidden_layers"))
+    decoder = _first_int([config], ("decoder_layers", "num_decoder_layers")) or encoder
+    return (encoder, decoder) if encoder and decoder else None
 
 
 def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerShape | None:
@@ -442,7 +491,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", help="a local config.json of a transformers model, or its folder")
     parser.add_argument("--layers", type=_positive(int), help="checkpointed layers (overrides the config)")
     parser.add_argument("--hidden", type=_positive(int), help="hidden size (overrides the config)")
-    parser.add_argument("--seq", type=_positive(int), required=True, help="sequence length in tokens")
+    parser.add_argument(
+        "--seq",
+        type=_positive(int),
+        required=True,
+        help="sequence length in tokens (an encoder-decoder: the source length its encoder's layers see)",
+    )
+    parser.add_argument(
+        "--target-seq",
+        type=_positive(int),
+        help="an encoder-decoder config's target length (the decoder's tokens); required for one, refused otherwise",
+    )
     parser.add_argument("--batch", type=_positive(int), default=1, help="micro-batch size (default 1)")
     parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPE_BYTES)} (default bf16)")
     parser.add_argument(
@@ -489,6 +548,17 @@ def main(argv: list[str] | None = None) -> int:
         hidden = options.hidden or hidden
         if layers is None or hidden is None:
             raise EstimateError("give a config.json or both --layers and --hidden")
+        stacks = read_encoder_decoder(options.config) if options.config is not None else None
+        decoder_layers = 0
+        if stacks is not None:
+            if options.target_seq is None:
+                raise EstimateError(
+                    f"{options.config} is an encoder-decoder config: pass --target-seq, the decoder's length "
+                    "(--seq is the encoder's)"
+                )
+            layers, decoder_layers = (options.layers or stacks[0]), stacks[1]
+        elif options.target_seq is not None:
+            raise EstimateError("--target-seq is for encoder-decoder configs (is_encoder_decoder); this has one stack")
         settings = Settings.from_env()
         pinnable, note = pinnable_limit()
         if options.device_memory is not None:
@@ -517,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
             pinnable_bytes=pinnable,
             pinnable_note=note,
             streams=read_streams(options.config) if options.config else 1,
+            decoder_layers=decoder_layers,
+            target_seq=options.target_seq,
         )
     except (EstimateError, SettingsError) as error:
         _print_error(str(error))
@@ -537,17 +609,22 @@ def render(result: Estimate) -> str:
     else:
         share = f"{result.saved_bytes / result.device_memory_bytes:.1%}"
         device = f"{gib(result.device_memory_bytes)} ({result.device_memory_source}); saved inputs are {share} of it"
-    per_layer = gib(result.pinned_bytes // result.layers)
+    all_layers = result.layers + result.decoder_layers
+    per_layer = gib(result.pinned_bytes // all_layers)
     budget = "unknown" if result.host_budget_bytes is None else gib(result.host_budget_bytes)
     budget_note = "AUTOOFFLOAD_HOST_MEMORY"
     if result.budget_layers is not None:
-        budget_note += f"; fits {result.budget_layers} of {result.layers} layers per rank"
+        budget_note += f"; fits {result.budget_layers} of {all_layers} layers per rank"
     pinnable = "no limit read" if result.pinnable_bytes is None else gib(result.pinnable_bytes)
     bandwidth = f"{result.host_bandwidth_gbps:g} GB/s"
     rows = [
         ("saved layer inputs on device", gib(result.saved_bytes), "layers x batch x seq x hidden x dtype-bytes"),
         ("freed on device by offload", gib(result.freed_bytes), "every checkpointed layer offloaded"),
-        ("pinned host memory per rank", gib(result.pinned_bytes), f"{result.layers} x {per_layer}"),
+        (
+            "pinned host memory per rank",
+            gib(result.pinned_bytes),
+            f"{result.layers} x {per_layer}" if not result.decoder_layers else f"{all_layers} layers, both stacks",
+        ),
         ("pinned host memory, node", gib(result.node_pinned_bytes), f"{result.ranks_per_node} rank(s); {host}"),
         ("host memory budget, node", budget, budget_note),
         ("pinnable per process", pinnable, result.pinnable_note),
@@ -559,7 +636,15 @@ def render(result: Estimate) -> str:
         f"{f' x {result.streams} streams' if result.streams > 1 else ''}, batch {result.batch} x seq "
         f"{result.seq}, {result.dtype} ({result.dtype_bytes} B)"
     )
-    if result.keepable_layers is None:
+    if result.decoder_layers:
+        head = (
+            f"autooffload estimate: encoder {result.layers} layers x seq {result.seq} + decoder "
+            f"{result.decoder_layers} layers x seq {result.target_seq}, hidden {result.hidden}, batch "
+            f"{result.batch}, {result.dtype} ({result.dtype_bytes} B)"
+        )
+    if result.decoder_layers:
+        keepable = ("layers that could keep", "0", "encoder-decoder: autooffload keeps no layer on these models")
+    elif result.keepable_layers is None:
         keepable = ("layers that could keep", "unknown", "no device memory given or read")
     else:
         rest = f", {gib(result.other_memory_bytes)} for the rest" if result.other_memory_bytes else " (upper bound)"

@@ -250,3 +250,24 @@ def test_keep_figures_without_device_memory_are_unknown(capsys):
     assert code == 0 and json.loads(out)["keepable_layers"] is None
     code, _, err = run(["--layers", "2", "--hidden", "8", "--seq", "16", "--other-memory", "-1"], capsys)
     assert code == 2 and "--other-memory: '-1' must be zero or positive" in err
+
+
+def test_an_encoder_decoder_config_counts_both_stacks_at_their_own_lengths(tmp_path, capsys):
+    config = write_config(
+        tmp_path, model_type="bart", is_encoder_decoder=True, d_model=1024, encoder_layers=12, decoder_layers=6
+    )
+    code, out, err = run([str(config), "--seq", "4096", "--target-seq", "512", "--json"], capsys)
+    assert (code, err) == (0, "")
+    result = json.loads(out)
+    assert (result["layers"], result["decoder_layers"], result["target_seq"]) == (12, 6, 512)
+    assert result["saved_bytes"] == (12 * 4096 + 6 * 512) * 1024 * 2
+    assert result["keepable_layers"] in (None, 0)
+
+
+def test_target_seq_is_required_for_an_encoder_decoder_config_and_refused_otherwise(tmp_path, capsys):
+    t5 = write_config(tmp_path, model_type="t5", is_encoder_decoder=True, d_model=512, num_layers=6)
+    code, _, err = run([str(t5), "--seq", "1024"], capsys)
+    assert code == 2 and "encoder-decoder config: pass --target-seq" in err
+    (tmp_path / "q").mkdir()
+    code, _, err = run([str(qwen3_8b(tmp_path / "q")), "--seq", "1024", "--target-seq", "64"], capsys)
+    assert code == 2 and "--target-seq is for encoder-decoder configs" in err

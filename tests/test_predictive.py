@@ -218,3 +218,17 @@ def test_a_reading_polluted_by_evaluation_or_saving_is_no_sample():
     unclean = dataclasses.replace(observe(step + 1, 100, TOTAL), last_step_clean=False)
     assert policy.decide(unclean) == 0
     assert policy.samples == samples
+
+
+def test_layers_of_unequal_size_cover_the_excess_largest_first():
+    # An encoder-decoder's micro-batch: the 1200-token excess of 220,000 bytes is covered by one encoder layer of
+    # 240,000 where equal layers of their mean (105,000) would need three; the sample counts what it frees.
+    policy, step, reading = trained()
+    layer_bytes = (240_000, 240_000, *[60_000] * 6)
+    observation = dataclasses.replace(
+        observe(step, 1200, reading), bytes_per_layer=sum(layer_bytes) // LAYERS, layer_bytes=layer_bytes
+    )
+    assert observation.freed(2) == 480_000 and observation.fewest_layers(250_000) == 2
+    assert observation.fewest_layers(10**9) == LAYERS
+    assert policy.decide(observation) == 1
+    assert policy.state_dict()["pending"][-1] == [1200, 1, 105_000, 240_000]

@@ -15,8 +15,12 @@ itself is a *container*: its forward calls ``self._gradient_checkpointing_func(l
 are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
 is known before the first forward, and an installed dispatcher (:class:`LayerCalls`) runs call i with layer
 i's function, counting from 0 again at every forward of the container (a pre-forward hook on it) and of the
-attached model. Layers are grouped in *stacks* (the ModuleList they share); only the stack that consumes the
-tokens (:func:`text_stack`) is planned, the others (a VLM's vision blocks) keep plain checkpointing. Of a
+attached model. A module with the flag inside a layer (T5's attention modules hold one for their position bias)
+or inside a container's blocks is *inner*: not a layer, it keeps plain checkpointing. Layers are grouped in
+*stacks* (the ModuleList they share); the stacks that consume the tokens (:mod:`~autooffload.apply.stacks`: the
+text stack, or an encoder-decoder's two) are planned, the others (a VLM's vision blocks) keep plain
+checkpointing. A layer module that runs several times in one forward (HRM's cycles) runs its function at every
+call, and every call under grad is counted (:class:`ForwardState`). Of a
 layer call's saved inputs only the layer input moves (its first positional tensor): masks, position ids and
 position embeddings that reach the checkpoint as positional arguments stay, and so does an input already
 moved in the same forward.
@@ -45,6 +49,7 @@ from ..warn import WarnOnce
 from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
+from .stacks import plan_stacks
 from .wrapped import rewrap, wrapper_chain
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
@@ -54,10 +59,11 @@ NOT_TORCH_KEYS = ("offload", "every_n_layers")
 class CheckpointTarget:
     """One module whose checkpoint function autooffload controls.
 
-    ``kind``: ``"layer"`` checkpoints its own forward (one call per forward); ``"container"`` calls the
-    function once per layer of the ModuleList ``stack`` (``size`` layers); ``"outer"`` holds checkpointed
-    layers and is not expected to call it. ``stack``: the ModuleList its layers belong to (for a layer, its
-    parent); ``text``: that stack consumes ``input_ids``/``inputs_embeds`` (see :func:`text_stack`).
+    ``kind``: ``"layer"`` checkpoints its own forward; ``"container"`` calls the function once per layer of
+    the ModuleList ``stack`` (``size`` layers); ``"outer"`` holds checkpointed layers and is not expected to
+    call it; ``"inner"`` has the flag inside a layer or a container's blocks (T5's attention). ``stack``: the
+    ModuleList its layers belong to (for a layer, its parent); ``text``: that stack is planned
+    (:func:`~autooffload.apply.stacks.plan_stacks`).
     """
 
     name: str
@@ -139,9 +145,11 @@ def find_targets(
         found.append(CheckpointTarget(name, module, attribute, original, kwargs, wrappers=wrappers))
     for target in found:
         _classify(target, found)
-    text = text_stack(model, found)
     for target in found:
-        target.text = target.stack == text
+        _mark_inner(target, found)
+    planned = {stack.name for stack in plan_stacks(model, found)[0]}
+    for target in found:
+        target.text = target.stack in planned and target.kind in ("layer", "container")
     return found, unknown
 
 
@@ -158,12 +166,16 @@ def _controllable(function: Callable[..., Any], original: Callable[..., Any]) ->
 
 
 def _classify(target: CheckpointTarget, found: list[CheckpointTarget]) -> None:
-    """Layer, container or outer, and the stack: from the module's class and the modules it holds."""
+    """Layer, container or outer, and the stack: from the module's class and the modules it holds. A module
+    that checkpoints itself is a layer whatever it holds (T5's block holds attention modules with the flag)."""
     prefix = target.name + "." if target.name else ""
-    if any(other.name.startswith(prefix) for other in found if other is not target):
+    itself = _checkpoints_itself(target.module)
+    if not itself and any(
+        other.name.startswith(prefix) and not _inside_blocks(other, target) for other in found if other is not target
+    ):
         target.kind, target.stack = "outer", target.name
         return
-    layers = None if _checkpoints_itself(target.module) else _repeated_blocks(target.module)
+    layers = None if itself else _repeated_blocks(target.module)
     if layers is None:
         target.kind, target.stack = "layer", target.name.rpartition(".")[0]
         return
@@ -172,6 +184,28 @@ def _classify(target: CheckpointTarget, found: list[CheckpointTarget]) -> None:
     if isinstance(configured, int) and not isinstance(configured, bool) and 0 < configured < size:
         size = configured  # e.g. Gemma2 on 4.52 loops over ``self.layers[: config.num_hidden_layers]``
     target.kind, target.stack, target.size = "container", prefix + list_name, size
+
+
+def _inside_blocks(inner: CheckpointTarget, container: CheckpointTarget) -> bool:
+    """Is ``inner`` deeper than an item of the blocks ``container`` would call its function for (T5's attention
+    modules inside the blocks of a 4.52 ``T5Stack``)?"""
+    blocks = _repeated_blocks(container.module)
+    if blocks is None:
+        return False
+    prefix = (container.name + "." if container.name else "") + blocks[0] + "."
+    return inner.name.startswith(prefix) and "." in inner.name[len(prefix) :]
+
+
+def _mark_inner(target: CheckpointTarget, found: list[CheckpointTarget]) -> None:
+    """A target inside a layer or inside a container's blocks is inner: it is run within their checkpoint."""
+    for other in found:
+        if other is target or other.kind not in ("layer", "container"):
+            continue
+        prefix = other.name + "." if other.name else ""
+        within_layer = other.kind == "layer" and target.name.startswith(prefix)
+        if within_layer or (other.kind == "container" and _inside_blocks(target, other)):
+            target.kind, target.stack, target.size = "inner", other.stack, 1
+            return
 
 
 def _checkpoints_itself(module: torch.nn.Module) -> bool:
@@ -200,41 +234,21 @@ def _repeated_blocks(module: torch.nn.Module) -> tuple[str, int] | None:
 
 
 def text_stack(model: torch.nn.Module, targets: list[CheckpointTarget]) -> str | None:
-    """The stack that consumes ``input_ids``/``inputs_embeds``: the one whose owner shares the longest module
-    path with the input embedding (a VLM's ``language_model.layers``, not its ``visual.blocks``); ties, or no
-    embedding to go by, go to the stack with more layers, then to the later one in module order."""
-    sizes: dict[str, int] = {}
-    for target in targets:
-        if target.kind != "outer":
-            sizes[target.stack] = sizes.get(target.stack, 0) + target.size
-    if not sizes:
-        return None
-    embedding = _input_embedding_name(model)
-    owner = embedding.split(".")[:-1] if embedding is not None else []
-
-    def shared(stack: str) -> int:
-        path = stack.split(".")[:-1] if stack else []
-        count = 0
-        for mine, theirs in zip(path, owner, strict=False):
-            if mine != theirs:
-                break
-            count += 1
-        return count
-
-    order = list(sizes)
-    return max(order, key=lambda stack: (shared(stack), sizes[stack], order.index(stack)))
+    """The first planned stack (:func:`~autooffload.apply.stacks.plan_stacks`), None when there is none."""
+    stacks = plan_stacks(model, targets)[0]
+    return stacks[0].name if stacks else None
 
 
-def _input_embedding_name(model: torch.nn.Module) -> str | None:
-    try:
-        embedding = model.get_input_embeddings()
-    except Exception:  # not a transformers model, or one that does not implement it
-        return None
-    return next((name for name, module in model.named_modules() if module is embedding), None)
+def _plain_function(kwargs: dict[str, Any], counted: Callable[[], None] | None = None) -> Callable[..., Any]:
+    if counted is None:
 
+        def checkpoint_plain(function, *args, **call_kwargs):
+            return checkpoint(function, *args, **kwargs, **call_kwargs)
 
-def _plain_function(kwargs: dict[str, Any]) -> Callable[..., Any]:
+        return checkpoint_plain
+
     def checkpoint_plain(function, *args, **call_kwargs):
+        counted()
         return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_plain
@@ -270,17 +284,37 @@ def make_engine(
 
 class ForwardState:
     """What the checkpoint functions share within one forward of the attached model: the layer inputs already
-    handed to the engine (one is not moved twice), and each container's call counter. The controller's
-    pre-forward hook calls :meth:`new_forward` before every forward."""
+    handed to the engine (one is not moved twice), each container's call counter, and how often each planned
+    layer was called under grad (``counts``, since the last :meth:`take_counts`). The controller's
+    pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 0) -> None:
         self.moved: list[weakref.ref] = []
         self.calls: list[LayerCalls] = []
+        self.counts = [0] * layers
+        self.last = [1] * layers
 
     def new_forward(self) -> None:
         self.moved.clear()
         for calls in self.calls:
             calls.count = 0
+
+    def take_counts(self) -> list[int]:
+        """The calls of each planned layer since the last take (one micro-batch: the controller takes them at
+        every decision), and start counting again. ``last`` keeps, per layer, its latest count that was not 0."""
+        counts, self.counts = self.counts, [0] * len(self.counts)
+        self.last = [count or last for count, last in zip(counts, self.last, strict=True)]
+        return counts
+
+    def counter(self, position: int) -> Callable[[], None]:
+        """What layer ``position``'s functions call at every call: it counts the call when it saves inputs."""
+
+        @torch.compiler.disable
+        def counted() -> None:
+            if torch.is_grad_enabled():
+                self.counts[position] += 1
+
+        return counted
 
     @torch.compiler.disable
     def claim(self, args: tuple) -> torch.Tensor | None:
@@ -320,9 +354,12 @@ def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
 
 
 def _offload_function(
-    kwargs: dict[str, Any], engine: OffloadEngine, last: bool, forward: ForwardState
+    kwargs: dict[str, Any], engine: OffloadEngine, last: bool, forward: ForwardState, position: int
 ) -> Callable[..., Any]:
+    counted = forward.counter(position)
+
     def checkpoint_offload(function, *args, **call_kwargs):
+        counted()
         layer_input = forward.claim(args)
         if layer_input is None:
             return checkpoint(function, *args, **kwargs, **call_kwargs)
@@ -367,14 +404,23 @@ class CheckpointSwitch:
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
         self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
-        self.forward = ForwardState()
         self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
         self._hooks: list[Any] = []
-        self.layers = [LayerSlot(t, index) for t in targets if t.text and t.kind != "outer" for index in range(t.size)]
+        self.layers = [
+            LayerSlot(t, index)
+            for t in targets
+            if t.text and t.kind in ("layer", "container")
+            for index in range(t.size)
+        ]
+        self.forward = ForwardState(len(self.layers))
+        self._plain_layer = [
+            self._tag(_plain_function(s.target.kwargs, self.forward.counter(i)), s.target)
+            for i, s in enumerate(self.layers)
+        ]
         self._offload = [
-            self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward), s.target)
-            for s in self.layers
+            self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i), s.target)
+            for i, s in enumerate(self.layers)
         ]
         self.on_measured: Callable[[int], None] | None = None
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
@@ -397,6 +443,7 @@ class CheckpointSwitch:
         self.offloaded = -1
         self.kept = 0
         self.measuring = False
+        self.order: tuple[int, ...] = tuple(range(len(self.layers)))
         self.apply(0)
 
     @staticmethod
@@ -409,24 +456,28 @@ class CheckpointSwitch:
         function._autooffload_kwargs = target.kwargs
         return function
 
-    def apply(self, k: int, keep: int = 0, measure: bool = False) -> None:
+    def apply(self, k: int, keep: int = 0, measure: bool = False, order: tuple[int, ...] | None = None) -> None:
+        """Offload the first ``k`` layers of ``order`` (positions in :attr:`layers`; default: module order, the
+        earliest first), keep the last ``keep`` layers in module order, recompute the others."""
         k = max(0, min(k, len(self.layers)))
         keep = max(0, min(keep, len(self.layers) - k))
         measure = measure and keep > 0
-        if (k, keep, measure) == (self.offloaded, self.kept, self.measuring):
+        order = tuple(range(len(self.layers))) if order is None else tuple(order)
+        if (k, keep, measure, order) == (self.offloaded, self.kept, self.measuring, self.order):
             return
         first_kept = len(self.layers) - keep
+        offloading = set(order[:k])
         for position, slot in enumerate(self.layers):
             if position >= first_kept:
                 function = (self._keep_measured if measure and position == first_kept else self._keep)[position]
             else:
-                function = self._offload[position] if position < k else self._plain[id(slot.target)]
+                function = self._offload[position] if position in offloading else self._plain_layer[position]
             calls = self._calls.get(id(slot.target))
             if calls is not None:
                 calls.functions[slot.index] = function
             else:
                 self._install(slot.target, function)
-        self.offloaded, self.kept, self.measuring = k, keep, measure
+        self.offloaded, self.kept, self.measuring, self.order = k, keep, measure, order
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
 
     def _measured(self, nbytes: int) -> None:

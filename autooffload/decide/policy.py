@@ -10,6 +10,7 @@ keeps state can follow the group with ``agreed(observation, level)``, called whe
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 
@@ -40,6 +41,10 @@ class Observation:
     and is no sample of it.
     ``host_layers``: the most layers whose saved inputs fit the host memory budget for this micro-batch (the
     controller caps every answer at it; ``None``: no cap known).
+    ``layer_bytes``: where the layers' saved inputs differ in size (an encoder-decoder's two stacks, each with
+    its own length and width; a layer that runs several times per forward), what each layer's take for this
+    micro-batch, in the order they offload: the largest first, so level ``k`` frees the first ``k``
+    (:meth:`freed`). ``None``: every layer takes ``bytes_per_layer``, which is then the mean otherwise.
     """
 
     step: int
@@ -57,6 +62,25 @@ class Observation:
     pending_bytes: int = 0
     last_step_clean: bool = True
     host_layers: int | None = None
+    layer_bytes: tuple[int, ...] | None = None
+
+    def freed(self, level: int) -> int:
+        """Bytes that offloading ``level`` layers takes off the device for this micro-batch (0 where unknown)."""
+        if self.layer_bytes is not None:
+            return sum(self.layer_bytes[: max(level, 0)])
+        return max(level, 0) * (self.bytes_per_layer or 0)
+
+    def fewest_layers(self, excess: float) -> int:
+        """The fewest layers whose offload frees at least ``excess`` bytes (``layers`` where none do)."""
+        if self.layer_bytes is None:
+            per_layer = self.bytes_per_layer
+            return min(math.ceil(excess / per_layer), self.layers) if per_layer else self.layers
+        freed = 0
+        for level, nbytes in enumerate(self.layer_bytes, start=1):
+            freed += nbytes
+            if freed >= excess:
+                return level
+        return self.layers
 
 
 class Policy(Protocol):
@@ -106,7 +130,7 @@ class HysteresisPolicy:
     def decide(self, observation: Observation) -> int:
         memory = self._memory_need(observation)
         level = self._decide(observation, memory)
-        self._held = max(self._held, level * (observation.bytes_per_layer or 0))
+        self._held = max(self._held, observation.freed(level))
         return level
 
     def _memory_need(self, observation: Observation) -> float | None:
@@ -144,7 +168,7 @@ class HysteresisPolicy:
         own switch, so every rank's dwell counts from the same step and their states stay alike."""
         if (level > 0) != self.offloading:
             self._switch(level > 0, observation.step)
-        self._held = max(self._held, level * (observation.bytes_per_layer or 0))
+        self._held = max(self._held, observation.freed(level))
 
     def _switch(self, offloading: bool, step: int) -> None:
         self.offloading = offloading

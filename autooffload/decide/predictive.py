@@ -73,7 +73,7 @@ class PredictivePolicy:
         self.layers = 0
         self.token_terms: tuple[float | None, float | None] = (None, None)  # logits, layer work per token
         self._step: int | None = None
-        self._pending: list[tuple[int, int, int]] = []  # tokens, layers offloaded, bytes per layer
+        self._pending: list[tuple[int, int, int, int]] = []  # tokens, layers offloaded, bytes per layer, freed
         self.last_reason: str | None = None  # why the last decision (autooffload.history.REASONS)
 
     @classmethod
@@ -95,15 +95,16 @@ class PredictivePolicy:
             floor = min(self.fallback.decide(observation), observation.layers - 1)
             if floor > level:
                 level, self.last_reason = floor, self.fallback.last_reason
-        self._pending.append((observation.tokens, level, observation.bytes_per_layer or 0))
+        self._pending.append((observation.tokens, level, observation.bytes_per_layer or 0, observation.freed(level)))
         return level
 
     def agreed(self, observation: Observation, level: int) -> None:
         """The ranks run ``level``, not what this policy decided (:mod:`autooffload.distributed`): learn from
         the level that ran, and keep the fallback's dwell counting from the group's switch."""
         if self._pending:
-            tokens, _, per_layer = self._pending[-1]
-            self._pending[-1] = (tokens, level, per_layer)
+            tokens, _, per_layer, _ = self._pending[-1]
+            freed = observation.freed(level) if observation.layer_bytes is not None else level * per_layer
+            self._pending[-1] = (tokens, level, per_layer, freed)
         self.fallback.agreed(observation, level)
 
     @property
@@ -138,10 +139,7 @@ class PredictivePolicy:
         excess = predicted - self.memory_high * total
         if excess <= 0:
             return 0
-        per_layer = observation.bytes_per_layer
-        if not per_layer:
-            return observation.layers
-        level = min(math.ceil(excess / per_layer), observation.layers)
+        level = observation.fewest_layers(excess)
         if observation.levels:
             level = min((allowed for allowed in observation.levels if allowed >= level), default=observation.layers)
         return level
@@ -172,15 +170,15 @@ class PredictivePolicy:
         if not known:
             return
 
-        def plain_less_offloaded(entry: tuple[int, int, int]) -> float:
-            tokens, level, per_layer = entry
+        def plain_less_offloaded(entry: tuple[int, int, int, int]) -> float:
+            tokens, _, per_layer, freed = entry
             floor, _ = slope_terms(self.layers, tokens, per_layer)
-            return self.model.slope(floor) * tokens - level * per_layer
+            return self.model.slope(floor) * tokens - freed
 
-        tokens, level, per_layer = max(known, key=plain_less_offloaded)
+        tokens, level, per_layer, freed = max(known, key=plain_less_offloaded)
         if level and not per_layer:
             return
-        self.model.add(tokens, reading + level * per_layer, exact)
+        self.model.add(tokens, reading + freed, exact)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -197,7 +195,10 @@ class PredictivePolicy:
         self.total_bytes = state["total_bytes"]
         self.layers = int(state["layers"])
         self._step = state["step"]
-        self._pending = [(int(t), int(k), int(b)) for t, k, b in state["pending"]]
+        self._pending = [
+            (int(entry[0]), int(entry[1]), int(entry[2]), int(entry[3] if len(entry) > 3 else entry[1] * entry[2]))
+            for entry in state["pending"]
+        ]
         self.fallback.load_state_dict(state["fallback"])
 
 

@@ -1,0 +1,232 @@
+"""Which stacks of checkpointed layers autooffload plans, and where each micro-batch's lengths are read.
+
+A decoder-only model plans its text stack: the layers that run on the token embeddings' output. An encoder-decoder
+model (``config.is_encoder_decoder``: T5, BART, Whisper) plans two, the encoder's and the decoder's, each with
+its own length (source and target) and its own bytes per token. A model whose language layers come in several
+stacks under the module that embeds the tokens (HRM's ``L_module`` and ``H_module``, run in cycles) plans all of
+them. Other stacks (a VLM's vision blocks, an audio encoder nested in the embedding path) keep plain checkpointing.
+
+Each planned stack has an *entry*: the nearest module at or above the stack's owner whose ``forward`` takes the
+tokens (``input_ids``, ``inputs_embeds`` or ``input_features``). The controller decides at the first entry a
+micro-batch reaches (the attached model, an encoder-decoder's base model, or an entry called directly: TRL's
+Liger-loss path calls ``model.model``), once per micro-batch for every stack that entry runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+
+TOKEN_PARAMETERS = ("input_ids", "inputs_embeds", "input_features")
+DECODER_PARAMETERS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
+
+
+@dataclasses.dataclass
+class Stack:
+    """A planned stack. ``name``: the ModuleList path (or a container's stack); ``role``: ``"text"``,
+    ``"encoder"`` or ``"decoder"``; ``entry``: the module whose call carries this stack's tokens;
+    ``hidden``: the hidden size of its layer input (None: unknown); ``downsample``: input positions per layer
+    position (a speech encoder's strided convolutions: Whisper's 2)."""
+
+    name: str
+    role: str
+    entry: torch.nn.Module
+    entry_name: str
+    hidden: int | None = None
+    downsample: int = 1
+
+
+def stack_sizes(targets: list[Any]) -> dict[str, int]:
+    """Layers per stack, in module order, of the layer and container targets."""
+    sizes: dict[str, int] = {}
+    for target in targets:
+        if target.kind in ("layer", "container"):
+            sizes[target.stack] = sizes.get(target.stack, 0) + target.size
+    return sizes
+
+
+def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack], str | None]:
+    """The stacks to plan, in module order, and a warning where an encoder-decoder's stacks cannot be told
+    apart (then the text rule alone picks, and the other stack keeps plain checkpointing)."""
+    sizes = stack_sizes(targets)
+    if not sizes:
+        return [], None
+    names = {id(module): name for name, module in model.named_modules()}
+    modules = dict(model.named_modules())
+    owners = {t.stack: (t.name if t.kind == "container" else t.stack.rpartition(".")[0]) for t in targets}
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) is True:
+        halves = [_part(model, "get_encoder", names), _part(model, "get_decoder", names)]
+        chosen = [_text_stacks(model, [s for s in sizes if _under(s, half)], sizes, names) for half in halves]
+        if all(half is not None for half in halves) and all(len(found) == 1 for found in chosen):
+            encoder, decoder = chosen[0][0], chosen[1][0]
+            return [
+                _stack(model, modules, encoder, "encoder", owners[encoder]),
+                _stack(model, modules, decoder, "decoder", owners[decoder]),
+            ], None
+        found = (_text_stacks(model, list(sizes), sizes, names) or [])[-1:]
+        others = [name for name in sizes if name not in found]
+        warning = (
+            f"{type(model).__name__} is an encoder-decoder model, but autooffload cannot tell its encoder's "
+            f"checkpointed stack from its decoder's: only {found[0]} is planned, with the input_ids length; "
+            f"{', '.join(others) or 'no other stack'} run(s) plain checkpointing"
+        )
+        return [_stack(model, modules, name, "text", owners[name]) for name in found], warning
+    found = _text_stacks(model, list(sizes), sizes, names) or []
+    return [_stack(model, modules, name, "text", owners[name]) for name in found], None
+
+
+def _part(model: torch.nn.Module, getter: str, names: dict[int, str]) -> str | None:
+    try:
+        module = getattr(model, getter)()
+    except Exception:  # no such method, or one that raises for this model
+        return None
+    return names.get(id(module)) if isinstance(module, torch.nn.Module) else None
+
+
+def _under(stack: str, prefix: str | None) -> bool:
+    return prefix is not None and (prefix == "" or stack == prefix or stack.startswith(prefix + "."))
+
+
+def _text_stacks(
+    model: torch.nn.Module, candidates: list[str], sizes: dict[str, int], names: dict[int, str]
+) -> list[str] | None:
+    """The stacks that run on the token embeddings' output: those whose path shares the most with the module
+    that owns the input embedding, and of those the ones nearest to it (a stack nested deeper, such as an
+    audio encoder inside the embedding path, is another model's). Several at that depth are all planned (HRM's
+    two stacks); with no embedding to go by, the stack with the most layers."""
+    if not candidates:
+        return None
+    embedding = _input_embedding_name(model, names)
+    if embedding is None:
+        return [max(candidates, key=lambda s: (sizes[s], candidates.index(s)))]
+    owner = embedding.split(".")[:-1]
+
+    def rank(stack: str) -> tuple[int, int]:
+        path = stack.split(".")[:-1] if stack else []
+        shared = 0
+        for mine, theirs in zip(path, owner, strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+        return shared, -(len(path) - shared)
+
+    best = max(rank(s) for s in candidates)
+    return [s for s in candidates if rank(s) == best]
+
+
+def _input_embedding_name(model: torch.nn.Module, names: dict[int, str]) -> str | None:
+    try:
+        embedding = model.get_input_embeddings()
+    except Exception:  # not a transformers model, or one that does not implement it
+        return None
+    return names.get(id(embedding))
+
+
+def _stack(model: torch.nn.Module, modules: dict[str, torch.nn.Module], name: str, role: str, owner: str) -> Stack:
+    entry_name = owner
+    while entry_name and not takes_tokens(modules[entry_name]):
+        entry_name = entry_name.rpartition(".")[0]
+    entry = modules[entry_name]
+    config = getattr(entry, "config", None) or getattr(model, "config", None)
+    return Stack(name, role, entry, entry_name, _hidden(config), _downsample(entry, entry_name, name, modules))
+
+
+def takes_tokens(module: torch.nn.Module) -> bool:
+    """Does this module's ``forward`` take the tokens by name?"""
+    return any(name in TOKEN_PARAMETERS for name in _parameters(module))
+
+
+def _parameters(module: torch.nn.Module) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _hidden(config: Any) -> int | None:
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int) and hasattr(config, "get_text_config"):
+        try:
+            hidden = getattr(config.get_text_config(), "hidden_size", None)
+        except Exception:  # an ambiguous composite config
+            return None
+    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+
+
+def _downsample(entry: torch.nn.Module, entry_name: str, stack: str, modules: dict[str, torch.nn.Module]) -> int:
+    """Input positions per layer position: the product of the strides of the 1-D convolutions the entry runs
+    before its layers (Whisper's encoder: 1 x 2), 1 where it has none."""
+    if not hasattr(entry, "forward") or "input_features" not in _parameters(entry):
+        return 1
+    prefix = entry_name + "." if entry_name else ""
+    factor = 1
+    for name, module in modules.items():
+        if isinstance(module, torch.nn.Conv1d) and name.startswith(prefix) and not name.startswith(stack + "."):
+            factor *= int(module.stride[0])
+    return max(factor, 1)
+
+
+def entries(model: torch.nn.Module, stacks: list[Stack]) -> list[tuple[torch.nn.Module, list[Stack]]]:
+    """The modules to decide at, outermost first, each with the planned stacks its call runs: the attached
+    model, every module between it and a stack's entry that takes the tokens, and the entries themselves."""
+    names = [name for name, _ in model.named_modules()]
+    modules = dict(model.named_modules())
+    chosen: dict[str, list[Stack]] = {"": list(stacks)}
+    for stack in stacks:
+        parts = stack.entry_name.split(".") if stack.entry_name else []
+        for depth in range(1, len(parts) + 1):
+            name = ".".join(parts[:depth])
+            if name == stack.entry_name or takes_tokens(modules[name]):
+                chosen.setdefault(name, []).append(stack)
+    order = {name: index for index, name in enumerate(names)}
+    return [(modules[name], chosen[name]) for name in sorted(chosen, key=order.__getitem__)]
+
+
+def _shape(value: Any, features: bool = False, downsample: int = 1) -> tuple[int, int] | None:
+    if not torch.is_tensor(value) or value.dim() < 1:
+        return None
+    if features:  # [batch, channels, frames]
+        if value.dim() < 2:
+            return None
+        seq = -(-int(value.shape[-1]) // downsample)
+        return seq, seq * int(value.numel() // (value.shape[-1] * value.shape[-2]))
+    if value.is_floating_point():  # embeddings: [batch, seq, hidden]
+        if value.dim() < 2:
+            return None
+        return int(value.shape[-2]), int(value.numel() // value.shape[-1])
+    return int(value.shape[-1]), int(value.numel())
+
+
+def read_lengths(module: torch.nn.Module, stacks: list[Stack], args: tuple, kwargs: dict) -> dict[str, tuple[int, int]]:
+    """(sequence length, tokens) of each stack this call runs, from its inputs: a stack's own entry reads its
+    ``input_ids``, ``inputs_embeds`` or ``input_features``; a module above an encoder-decoder's entries reads
+    the encoder's from those and the decoder's from ``decoder_input_ids``, ``decoder_inputs_embeds`` or the
+    ``labels`` they are built from. A stack whose length the call does not give is left out."""
+    bound = _bind(module, args, kwargs)
+    found: dict[str, tuple[int, int]] = {}
+    for stack in stacks:
+        own = stack.entry is module or stack.role != "decoder"
+        keys = TOKEN_PARAMETERS if own else DECODER_PARAMETERS
+        for key in keys:
+            shape = _shape(bound.get(key), key == "input_features", stack.downsample)
+            if shape is not None:
+                found[stack.name] = shape
+                break
+    return found
+
+
+def _bind(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    if not args:
+        return kwargs
+    try:
+        return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        first = args[0]
+        bound = dict(kwargs)
+        if torch.is_tensor(first) and "input_ids" not in bound:
+            bound["input_features" if first.is_floating_point() and first.dim() == 3 else "input_ids"] = first
+        return bound

@@ -1,0 +1,249 @@
+"""Encoder-decoder models through ``Seq2SeqTrainer``: both stacks planned, each with its own length.
+
+Tiny random T5, BART and Whisper: 3 encoder and 3 decoder layers of hidden 64 in fp32, batch 2. A layer's saved
+input is batch x its stack's length x 64 x 4 bytes: the encoder's with the source (Whisper: the input frames over
+its convolutions' stride 2), the decoder's with the target (the labels the decoder inputs are built from).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils.data import SequentialSampler
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
+
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings
+from autooffload.apply.stacks import plan_stacks
+from autooffload.apply.switch import find_targets
+from autooffload.demo import checkpointing_arguments
+
+LAYERS, HIDDEN, VOCAB, BATCH = 3, 64, 256, 2
+# (source, target) per optimizer step: the encoder's layers free the most on the first, the decoder's on the second.
+SHAPES = [(96, 32), (16, 48)]
+WHISPER_FRAMES = 96  # 2 x max_source_positions: the encoder's layers see 48 positions
+
+
+def t5() -> torch.nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        d_kv=16,
+        d_ff=2 * HIDDEN,
+        num_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def bart() -> torch.nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(config)
+
+
+def whisper() -> torch.nn.Module:
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        num_mel_bins=16,
+        max_source_positions=WHISPER_FRAMES // 2,
+        max_target_positions=64,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+MODELS = {"t5": t5, "bart": bart, "whisper": whisper}
+
+
+def encoder_length(name: str, source: int) -> int:
+    return WHISPER_FRAMES // 2 if name == "whisper" else source
+
+
+class Pairs(torch.utils.data.Dataset):
+    """``BATCH`` items per step of the step's (source, target) shape: token ids, or Whisper's mel frames."""
+
+    def __init__(self, name: str, shapes: list[tuple[int, int]]) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.items = []
+        for source, target in shapes:
+            for _ in range(BATCH):
+                labels = torch.randint(3, VOCAB, (target,), generator=generator)
+                if name == "whisper":
+                    item = {"input_features": torch.randn(16, WHISPER_FRAMES, generator=generator), "labels": labels}
+                else:
+                    item = {"input_ids": torch.randint(3, VOCAB, (source,), generator=generator), "labels": labels}
+                self.items.append(item)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.items[index]
+
+
+class InOrder(Seq2SeqTrainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+class Record(TrainerCallback):
+    def __init__(self, callback: AutoOffloadCallback) -> None:
+        self.controller = callback.controller
+        self.steps: list[tuple[int, int]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append((self.controller.level, self.controller.last_step_bytes))
+        self.layers = len(self.controller.switch.layers)
+        self.roles = [stack.role for stack in self.controller.stacks]
+
+
+class Fixed:
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+    def decide(self, observation) -> int:
+        return self.level
+
+
+def seq2seq(name: str, tmp_path, **callback_args):
+    """Train ``name`` for len(SHAPES) steps; (per-step (level, bytes), losses, parameters, the Record)."""
+    net = MODELS[name]()
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        max_steps=len(SHAPES),
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        **checkpointing_arguments(),
+    )
+    callback = AutoOffloadCallback(probe=None, **callback_args)
+    record = Record(callback)
+    trainer = InOrder(model=net, args=args, train_dataset=Pairs(name, SHAPES), callbacks=[callback, record])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return record.steps, losses, [p.detach().clone() for p in net.parameters()], record
+
+
+def layer_bytes(seq: int) -> int:
+    return BATCH * seq * HIDDEN * 4
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def plain(request, tmp_path_factory):
+    return request.param, seq2seq(request.param, tmp_path_factory.mktemp("plain"), mode="off")
+
+
+def test_mode_on_moves_both_stacks_inputs_with_the_gradients_of_plain_checkpointing(tmp_path, plain):
+    name, reference = plain
+    steps, losses, parameters, record = seq2seq(name, tmp_path, mode="on")
+    assert record.layers == 2 * LAYERS
+    assert record.roles == ["encoder", "decoder"]
+    expected = [LAYERS * (layer_bytes(encoder_length(name, s)) + layer_bytes(t)) for s, t in SHAPES]
+    assert steps == [(2 * LAYERS, moved) for moved in expected]
+    assert losses == reference[1]
+    assert all(torch.equal(p, q) for p, q in zip(parameters, reference[2], strict=True))
+
+
+def test_a_partial_level_offloads_the_layers_that_free_the_most_first(tmp_path, plain):
+    name, reference = plain
+    steps, losses, parameters, _ = seq2seq(name, tmp_path, policy=Fixed(2))
+    largest = [max(layer_bytes(encoder_length(name, s)), layer_bytes(t)) for s, t in SHAPES]
+    assert steps == [(2, 2 * moved) for moved in largest]
+    assert losses == reference[1]
+    assert all(torch.equal(p, q) for p, q in zip(parameters, reference[2], strict=True))
+
+
+def test_the_sequence_trigger_reads_the_longer_stack_and_each_micro_batch_is_decided_once(tmp_path):
+    seen = []
+
+    class Spy:
+        def decide(self, observation):
+            seen.append((observation.seq_len, observation.tokens, observation.layer_bytes))
+            return 0
+
+    seq2seq("bart", tmp_path, policy=Spy())
+    assert [(seq, tokens) for seq, tokens, _ in seen] == [(max(s, t), BATCH * (s + t)) for s, t in SHAPES]
+    first = seen[0][2]
+    assert first == tuple([layer_bytes(96)] * LAYERS + [layer_bytes(32)] * LAYERS)
+
+
+def test_hysteresis_switches_on_at_the_longer_of_the_two_lengths(tmp_path):
+    steps, *_ = seq2seq("t5", tmp_path, seq_high=90, seq_low=20)
+    assert [level for level, _ in steps] == [2 * LAYERS, 2 * LAYERS]  # 96 source tokens, then 48 target tokens
+
+
+def test_t5_blocks_are_layers_and_its_attention_modules_are_not():
+    net = t5()
+    net.gradient_checkpointing_enable()
+    targets, _ = find_targets(net)
+    layers = [t.name for t in targets if t.text]
+    expected_kind = "container" if transformers.__version__.startswith("4.") else "layer"
+    assert {t.kind for t in targets if t.text} == {expected_kind}
+    assert sum(t.size for t in targets if t.text) == 2 * LAYERS
+    assert not any("Attention" in name for name in layers)
+
+
+def test_stacks_that_cannot_be_told_apart_get_one_accurate_warning():
+    class NoEncoder(transformers.BartForConditionalGeneration):
+        def get_encoder(self):
+            raise NotImplementedError
+
+    torch.manual_seed(0)
+    net = NoEncoder(bart().config)
+    net.gradient_checkpointing_enable()
+    stacks, warning = plan_stacks(net, find_targets(net)[0])
+    assert [stack.name for stack in stacks] == ["model.decoder.layers"]
+    assert warning is not None and "only model.decoder.layers is planned" in warning
+    assert "model.encoder.layers run(s) plain checkpointing" in warning
+    with pytest.warns(AutoOffloadWarning, match="cannot tell its encoder's") as caught:
+        OffloadController(Settings(mode="on"), probe=None).attach(net)
+    assert len([w for w in caught if "cannot tell" in str(w.message)]) == 1
+
+
+def test_a_call_to_the_base_model_alone_is_decided_with_both_lengths():
+    net = bart()
+    net.gradient_checkpointing_enable()
+    net.train()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(net)
+    source, target = torch.randint(3, VOCAB, (BATCH, 40)), torch.randint(3, VOCAB, (BATCH, 24))
+    out = net.model(input_ids=source, decoder_input_ids=target)
+    out.last_hidden_state.sum().backward()
+    controller.end_step()
+    assert controller.last_lengths == {
+        "model.encoder.layers": (40, BATCH * 40),
+        "model.decoder.layers": (24, BATCH * 24),
+    }
+    assert controller.last_step_bytes == LAYERS * (layer_bytes(40) + layer_bytes(24))
+    controller.detach()
