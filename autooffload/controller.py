@@ -606,6 +606,16 @@ class OffloadController:
             return None
         return tuple(round(layer_tokens[i] * self.layer_token_bytes) for i in order)
 
+    def planned_bytes(self) -> float | None:
+        """What the running micro-batch's offloaded layers move by autooffload's arithmetic: each one's calls so
+        far x its stack's tokens x its stack's width x ``layer_token_bytes``; None before any bytes per token are
+        known. After the backward it is what the engine must have moved (the conformance sweep checks it)."""
+        if self.switch is None or self._running is None or not self.layer_token_bytes:
+            return None
+        offloaded, per_call = self._running
+        counts = self.switch.forward.counts
+        return self.layer_token_bytes * sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
+
     def _close_micro_batch(self) -> None:
         """The micro-batch that ran last is over: add its offloaded layers' saved tokens, as its calls counted
         them, to the step's (``end_step`` measures ``layer_token_bytes`` from them and the bytes moved)."""

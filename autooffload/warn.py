@@ -22,6 +22,7 @@ ANCHORS = {
     "probe-watch": "probe-watch",
     "no-tokens": "no-tokens",
     "container-calls": "container-calls",
+    "stacks-apart": "stacks-apart",
     "checkpointing-off": "checkpointing-off",
     "unknown": "unknown",
     "offload-wrapper": "offload-wrapper",

@@ -449,12 +449,10 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
                 loss = output.loss if getattr(output, "loss", None) is not None else output[0].float().mean()
                 loss.backward()
             if controller is not None:
-                seed = controller.layer_token_bytes  # what it plans with: the config's, or the first call's
+                result.arithmetic = controller.planned_bytes()  # with the config's width, or the first call's
                 controller.end_step()
                 record = controller.history[-1] if controller.history else None
                 result.moved = record.bytes_moved if record is not None else controller.last_step_bytes
-                if record is not None and seed:
-                    result.arithmetic = seed * sum(o * t for o, t in zip(record.offloaded, record.tokens, strict=False))
                 controller.detach()
         result.loss = loss.detach().clone()
         result.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
