@@ -337,7 +337,7 @@ class OffloadController:
             self._hook = None
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self._active, self._running = [], None, None
+        self._hooks, self._active, self._running, self.stacks = [], None, None, []
         unwatch = getattr(self.probe, "unwatch_model", None)
         if callable(unwatch):
             unwatch()

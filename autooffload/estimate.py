@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .decide.activations import LayerShape
+from .decide.activations import STREAM_KEYS, LayerShape
 from .settings import PAGE, Settings, SettingsError, parse_host_memory
 
 GIB = 2**30
@@ -40,9 +40,6 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
-# Hyper-connection models (DeepSeek-V4's mHC and its kin) carry several residual streams through every layer:
-# the layer input is [batch, seq, streams, hidden]. The config names the stream count under one of these keys.
-STREAM_KEYS = ("hc_mult", "hc_count")
 # Where a composite config keeps its language model's (transformers' get_text_config, and common remote code).
 TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config", "decoder", "generator")
 # An assumption, not a measurement: pinned host<->device copies reach about this over PCIe Gen4 x16, and a

@@ -44,9 +44,18 @@ def guarded(where: str, default: Any = None, *, retry: bool = False) -> Callable
             try:
                 return method(owner, *args, **kwargs)
             except Exception as error:
+                if _out_of_memory(error):
+                    raise  # the rescue (autooffload.rescue) reruns the step; giving up would hide it
                 controller.give_up(where, error)
                 return default
 
         return entry  # type: ignore[return-value]
 
     return decorate
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """A device out-of-memory error is the training step's, not autooffload's: it propagates as it is."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError)

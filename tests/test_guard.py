@@ -80,3 +80,22 @@ def test_a_config_attribute_that_raises_is_read_as_absent(tmp_path):
     finally:
         conftest.model = original
     assert callback.controller.stats.total_bytes == len(LENGTHS) * expected_bytes(64, layers=LAYERS)
+
+
+def test_an_out_of_memory_error_is_not_taken_for_an_internal_error(tmp_path):
+    """A device OOM raised inside an entry point must reach the caller (the rescue catches it), not end control."""
+    import torch
+
+    from autooffload import OffloadController
+    from autooffload.guard import guarded
+
+    class Owner:
+        controller = OffloadController(probe=None)
+
+        @guarded("a test entry")
+        def entry(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        Owner().entry()
+    assert not Owner.controller.failed

@@ -20,6 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# Hyper-connection models carry several residual streams through every layer (input [batch, seq, streams,
+# hidden]); the config names the stream count under one of these keys.
+STREAM_KEYS = ("hc_mult", "hc_count")
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ..decide.activations import LayerShape
+from ..decide.activations import STREAM_KEYS, LayerShape
 from ..decide.peak import layer_work_bytes_per_token, logits_bytes_per_token, optimizer_state_factor
-from ..estimate import STREAM_KEYS
 
 
 class ConfigView:
