@@ -17,7 +17,7 @@ ones, under (b)'s kind of budget; (e) two forwards before each backward (chosen 
 short micro-batches, room for 1.6 forwards' worth of kept layers: both forwards' kept layers are alive
 together; (f) a model whose layers differ: a hybrid Jamba stack (state-space and attention layers, the
 attention ones with a mixture of experts; the reference PyTorch kernels), short micro-batches, room for three
-quarters of what keeping every layer adds. The CPU runs all six; the GPU by default (a)-(c).
+quarters of what keeping every layer adds. The CPU runs all six; the GPU and ``--quick`` by default (a)-(c).
 
 The budget is a memory probe of this script's design. CPU: a step's memory is its parameters, gradients and
 AdamW state (4 x the parameter bytes, a constant) plus the saved activations alive at the end of the forward,
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rounds", type=int, help="timed passes over each trace (CPU 12, GPU 3)")
     parser.add_argument(
-        "--scenario", nargs="*", choices=tuple(TARGETS), help="default: all on the CPU, a b c on the GPU"
+        "--scenario", nargs="*", choices=tuple(TARGETS), help="default: all (CPU), a b c (GPU, --quick)"
     )
     parser.add_argument("--quick", action="store_true", help="a tiny model and one round: checks the script")
     options = parser.parse_args(argv)
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     rounds = options.rounds or (1 if options.quick else 12 if options.device == "cpu" else 3)
     shape = SHAPES["quick" if options.quick else options.device]
-    names = options.scenario or (list(TARGETS) if options.device == "cpu" else ["a", "b", "c"])
+    names = options.scenario or (list(TARGETS) if options.device == "cpu" and not options.quick else ["a", "b", "c"])
     bench = Bench(shape, options.device)
     hybrid = Bench(shape, options.device, "jamba") if "f" in names else None
     plans, readings = budgets(bench, hybrid, names)
