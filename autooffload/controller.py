@@ -33,12 +33,13 @@ import torch
 from . import lifecycle
 from .apply.compile_guard import CompileBudget, is_compiled
 from .apply.host_memory import HostMemory, node_budget, page_round, ranks_per_node
+from .apply.keep import count_backwards, matrix_weights
 from .apply.offload import OffloadStats
 from .apply.paths import uncontrolled
 from .apply.stacks import Stack, entries, plan_stacks, read_lengths
 from .apply.switch import CheckpointSwitch, find_targets, install_plain
 from .decide import ladder
-from .decide.activations import KeptLayerModel
+from .decide.keep_plan import KeepPlanner
 from .decide.policy import Observation, Policy
 from .decide.predictive import compile_levels, make_policy
 from .distributed import AgreementGroup, RankPeak, agree, agree_plan, every_rank, world_size, worst_rank
@@ -150,8 +151,8 @@ class OffloadController:
         self._attached_identity: dict[str, Any] | None = None  # the attached model's (autooffload.lifecycle)
         self._layer_bytes_guess: float | None = None  # its bytes per token of a layer input, from the config
         self.warn = WarnOnce()
-        # The ladder's keep rung (recompute="auto"): what a kept layer adds, measured (seeded at attach).
-        self.kept_model = KeptLayerModel()
+        self._keep_config: tuple | None = None  # the keep planner's layers and seed, for the attached model
+        self._backward_hook: Any = None  # counts backwards for the keep planner (recompute="auto")
         self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
         self._width: observe.LayerInputWidth | None = None  # reads the first layer call's input width
         self.reset()
@@ -196,15 +197,13 @@ class OffloadController:
         self._policy_failed = False
         self.level: int | None = None
         self.worst_rank: RankPeak | None = None
-        # The fraction kept on the last micro-batch; the longest micro-batch a reading has covered (keep never
-        # goes past it); and what the step's kept layers added to its reading, so that the policy learns the
-        # peak as if all recomputed.
-        self.kept_model = KeptLayerModel(self.kept_model.seed)
+        # The ladder's keep rung (recompute="auto"): its planner (autooffload.decide.keep_plan: per-layer costs,
+        # forwards alive before a backward, the reading's correction), configured anew for the attached model.
+        self.kept_model = KeepPlanner()
+        if self._keep_config is not None:
+            self.kept_model.configure(*self._keep_config)
         self.kept = 0.0
-        self.longest_read_tokens = 0
-        self._step_tokens = 0
-        self._step_kept: list[tuple[int, int, int]] = []  # tokens, seq, kept layers per micro-batch
-        self._reading_kept_bytes = 0.0
+        self._keep_plain: float | None = None  # the all-recompute peak the last keep plan was made from
         self.reason: str | None = None  # why the last micro-batch got its level (autooffload.history.REASONS)
         self.recorder = HistoryRecorder()
 
@@ -246,9 +245,9 @@ class OffloadController:
         if self.host.budget_bytes is None:
             self.host.budget_bytes = node_budget(self.settings.host_memory) // ranks_per_node()
         self.switch = CheckpointSwitch(targets, self.stats, self.settings.engine, warn=self.warn, host=self.host)
-        self.switch.on_measured = self._on_measured
         self._plan_stacks(model, targets)
         self._measured_on(model)
+        self._configure_keep(model)
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or self._layer_bytes_guess
@@ -344,6 +343,9 @@ class OffloadController:
         if self._width is not None:
             self._width.remove()
             self._width = None
+        if self._backward_hook is not None:
+            self._backward_hook.remove()
+            self._backward_hook = None
         if self.switch is not None:
             self.switch.close()
             if restore:
@@ -363,7 +365,6 @@ class OffloadController:
         """Take the identity of the model being attached; drop measurements taken on a model of another one."""
         assert self.switch is not None
         self._layer_bytes_guess = observe.layer_token_bytes(model)
-        self.kept_model.seed = observe.layer_shape(model)
         identity = lifecycle.model_identity(
             model, layers=len(self.switch.layers), hidden=observe.hidden_size(model), recompute=self.settings.recompute
         )
@@ -424,9 +425,9 @@ class OffloadController:
         level = max(self.switch.offloaded, 0)
         self.switch.close()
         self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
-        self.switch.on_measured = self._on_measured
         self._plan_stacks(self._model, targets)
         self._running = None
+        self._configure_keep(self._model)
         self.reinstalls += 1
         self._apply(level)
         logger.debug(
@@ -568,10 +569,10 @@ class OffloadController:
                 level,
                 len(self.switch.layers),
             )
-        measure = keep > 0 and not self.compiled and self.kept_model.wants(tokens, seq_len)
+        auto = self.settings.recompute == "auto" and not self.compiled and len(self.stacks) <= 1
+        measure = auto and self.kept_model.wants(level, tokens, seq_len)
         self._apply(level, keep, measure, order)
-        self._step_tokens = max(self._step_tokens, tokens)
-        self._step_kept.append((tokens, seq_len, self.switch.kept))
+        self.kept_model.forward(tokens, seq_len, self.switch.kept, self._keep_plain)
         self._offloaded_this_step |= level > 0
         self._running = (frozenset(order[: self.switch.offloaded]), per_call)
         self._micro_batches += 1
@@ -713,23 +714,26 @@ class OffloadController:
     def _memory_as_if_all_recomputed(self) -> tuple[int | None, float | None]:
         """The last reading less what kept layers added to it: what the policies plan from (they know nothing
         of keep, so a step that kept must not look fuller to them than its all-recompute peak)."""
-        if not self._reading_kept_bytes or self.memory_bytes is None or not self.total_bytes:
+        kept_bytes = self.kept_model.reading_kept_bytes
+        if not kept_bytes or self.memory_bytes is None or not self.total_bytes:
             return self.memory_bytes, self.memory_fraction
-        memory_bytes = max(round(self.memory_bytes - self._reading_kept_bytes), 0)
+        memory_bytes = max(round(self.memory_bytes - kept_bytes), 0)
         return memory_bytes, memory_bytes / self.total_bytes
 
     def _plan_keep(self, seq_len: int, tokens: int, level: int) -> int:
         """How many of the last layers run without checkpointing for this micro-batch (recompute="auto").
 
-        None where anything is fixed or unknown: offload decided (or forced by mode, latch, rescue), no
+        None kept where anything is fixed or unknown: offload decided (or forced by mode, latch, rescue), no
         reading yet, a micro-batch longer than any a reading has covered, or a policy that cannot predict.
+        The count is the keep planner's (:mod:`autooffload.decide.keep_plan`).
         """
         assert self.switch is not None
+        self._keep_plain = None
         if level > 0 or self.settings.mode != "auto" or self._fixed_level() is not None or self._policy_failed:
             return 0
         if len(self.stacks) > 1:
             return 0
-        if self.total_bytes is None or tokens <= 0 or tokens > self.longest_read_tokens:
+        if self.total_bytes is None or tokens <= 0 or tokens > self.kept_model.longest_read_tokens:
             return 0
         predict = getattr(self.policy, "predict", None)
         if predict is None:
@@ -745,20 +749,30 @@ class OffloadController:
         except Exception as error:  # a user's policy must not end the run
             self.warn("keep-predict", f"{type(self.policy).__name__}.predict raised {error!r}; nothing is kept")
             return 0
+        if predicted is None:
+            return 0
+        self._keep_plain = predicted
         layers = len(self.switch.layers)
         levels = ladder.keep_levels(layers, self.settings.compile_max_switches) if self.compiled else None
-        return ladder.plan(
-            predicted,
-            self.kept_model.predict(tokens, seq_len),
-            per_layer,
-            layers,
-            self.settings.memory_high * self.total_bytes,
-            ladder.KEEP_MARGIN * self.total_bytes,
-            levels,
-        ).keep
+        limit = self.settings.memory_high * self.total_bytes
+        return self.kept_model.count(predicted, tokens, seq_len, limit, ladder.KEEP_MARGIN * self.total_bytes, levels)
 
-    def _on_measured(self, nbytes: int) -> None:
-        self.kept_model.add(self.last_tokens, self.last_seq_len, nbytes)
+    def _configure_keep(self, model: torch.nn.Module | None) -> None:
+        """Tell the keep planner the planned layers (each one's matrix weights, for its casts under autocast) and
+        the config's seed; count the backwards, so that it knows how many forwards are alive together."""
+        assert self.switch is not None
+        self.switch.on_measured = self._on_measured
+        if model is None:
+            return
+        weights = [matrix_weights(slot.target.module, slot.target.size) for slot in self.switch.layers]
+        weight_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 0)
+        self._keep_config = (weights, weight_bytes, observe.layer_shape(model))
+        self.kept_model.configure(*self._keep_config)
+        if self._backward_hook is None and self.settings.recompute == "auto":
+            self._backward_hook = count_backwards(model, lambda: self.kept_model.backward())
+
+    def _on_measured(self, position: int, nbytes: int, cast_bytes: int) -> None:
+        self.kept_model.measured(position, self.last_tokens, self.last_seq_len, nbytes, cast_bytes)
 
     def _settle_budget(self) -> None:
         if not self.compiled:
@@ -837,14 +851,10 @@ class OffloadController:
         self.steps_offloading += int(self._offloaded_this_step)
         self._offloaded_this_step = False
         self.memory_fraction = self._read_memory()
-        # The peak is one micro-batch's, and which one is not known: take the least any micro-batch kept.
-        kept = [m * (self.kept_model.predict(t, s) or 0.0) for t, s, m in self._step_kept]
-        self._reading_kept_bytes = min(kept, default=0.0)
+        reading = self.memory_bytes if self.memory_fraction is not None else None
+        self.kept_model.end_step(reading, clean=not self._side_work and not self.last_step_rescued)
         if self.memory_fraction is not None:
             self.peak_memory_fraction = max(self.peak_memory_fraction or 0.0, self.memory_fraction)
-            self.longest_read_tokens = max(self.longest_read_tokens, self._step_tokens)
-        self._step_tokens = 0
-        self._step_kept = []
         if self.last_step_rescued and self.memory_bytes is not None and self.total_bytes:
             # The reading misses the allocation that failed: what the step needed is at least the device.
             self.memory_bytes = max(self.memory_bytes + (self._tried_bytes or 0), self.total_bytes)
@@ -982,8 +992,6 @@ class OffloadController:
             "pending_bytes": self.pending_bytes,
             "policy": self._policy_state(),
             "kept_model": self.kept_model.state_dict(),
-            "longest_read_tokens": self.longest_read_tokens,
-            "reading_kept_bytes": self._reading_kept_bytes,
             "identity": self.identity,
         }
 
@@ -1031,9 +1039,8 @@ class OffloadController:
         self.last_step_clean = bool(state.get("last_step_clean", True))
         self.pending_bytes = int(state.get("pending_bytes") or 0)  # a checkpoint after step 0: Adam's state to come
         self.level = state.get("level")
-        self.kept_model.load_state_dict(state.get("kept_model") or {})
-        self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
-        self._reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
+        legacy = {key: state[key] for key in ("longest_read_tokens", "reading_kept_bytes") if key in state}
+        self.kept_model.load_state_dict({**legacy, **(state.get("kept_model") or {})})
         if "identity" in state and self._model is None:
             self.identity = state["identity"]
         if self.level is not None:

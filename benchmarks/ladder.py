@@ -1,6 +1,6 @@
 """The ladder (keep / recompute / offload) against plain checkpointing, modes side by side in one process.
 
-    python benchmarks/ladder.py --out DIR [--device cpu|cuda] [--rounds N] [--quick]
+    python benchmarks/ladder.py --out DIR [--device cpu|cuda] [--rounds N] [--quick] [--scenario a b ...]
 
 Modes, on one model with the same weights and inputs, interleaved step by step (the order rotating):
 
@@ -11,13 +11,20 @@ Modes, on one model with the same weights and inputs, interleaved step by step (
 
 Scenarios: (a) short micro-batches only, ample memory; (b) a mixed trace, one long micro-batch in five, under
 a budget where only the long ones need checkpointing (a long one without checkpointing does not fit); (c) long
-micro-batches under a budget that needs offload (a long one with every layer recomputing does not fit).
+micro-batches under a budget that needs offload (a long one with every layer recomputing does not fit); (d) bf16
+autocast over fp32 weights (each kept layer also keeps its weights' casts), a long micro-batch then four short
+ones, under (b)'s kind of budget; (e) two forwards before each backward (chosen and rejected as two calls),
+short micro-batches, room for 1.6 forwards' worth of kept layers: both forwards' kept layers are alive
+together; (f) a model whose layers differ: a hybrid Jamba stack (state-space and attention layers, the
+attention ones with a mixture of experts; the reference PyTorch kernels), short micro-batches, room for three
+quarters of what keeping every layer adds. The CPU runs all six; the GPU and ``--quick`` by default (a)-(c).
 
 The budget is a memory probe of this script's design. CPU: a step's memory is its parameters, gradients and
 AdamW state (4 x the parameter bytes, a constant) plus the saved activations alive at the end of the forward,
 counted exactly by saved-tensor hooks around the forward (each storage once, parameters excluded; an offloaded
 input is in host memory and is not counted). The count depends only on the mode's plan and the length, so it
-is made once per (mode, length, plan) and reused, which keeps the hooks out of the timed steps. GPU
+is made once per (mode, length, plan, autocast) and reused, which keeps the hooks out of the timed steps; the
+forwards before one backward count together. GPU
 (``--device cuda``): the real allocator's ``max_memory_allocated`` over the step. The device's size is set
 per scenario from calibration readings (every layer recomputing, and none) so that the budget, memory_high x
 size, falls where the scenario says; every step's reading is checked against it.
@@ -79,7 +86,9 @@ SHAPES = {
 }
 
 
-def build_model(shape: Shape, device: str) -> torch.nn.Module:
+def build_model(shape: Shape, device: str, kind: str = "qwen3") -> torch.nn.Module:
+    if kind == "jamba":
+        return build_jamba(shape, device)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -97,6 +106,35 @@ def build_model(shape: Shape, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(config)
+    return model.to(torch.float32 if shape.dtype == "fp32" else torch.bfloat16).train()
+
+
+def build_jamba(shape: Shape, device: str) -> torch.nn.Module:
+    """A hybrid stack: state-space (Mamba) layers at even positions, attention layers with two experts at odd."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=3 * shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads // 2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=8,
+        mamba_expand=2,
+        use_mamba_kernels=False,
+        max_position_embeddings=shape.long,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = JambaForCausalLM(config)
     return model.to(torch.float32 if shape.dtype == "fp32" else torch.bfloat16).train()
 
 
@@ -129,9 +167,9 @@ class BudgetProbe:
 class Bench:
     """The model, the device and the counting cache shared by every mode."""
 
-    def __init__(self, shape: Shape, device: str) -> None:
-        self.shape, self.device = shape, device
-        self.model = build_model(shape, device)
+    def __init__(self, shape: Shape, device: str, kind: str = "qwen3") -> None:
+        self.shape, self.device, self.kind = shape, device, kind
+        self.model = build_model(shape, device, kind)
         parameters = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.static = 4 * parameters  # weights, gradients, AdamW's two moments
         self.parameter_storages = {(p.device, p.untyped_storage().data_ptr()) for p in self.model.parameters()}
@@ -156,29 +194,18 @@ class Mode:
         switch = self.controller.switch if self.controller is not None else None
         return (switch.offloaded, switch.kept) if switch is not None else (0, 0)
 
-    def step(self, seq: int, seed: int, timed: bool = True) -> dict[str, Any]:
+    def step(self, seq: int, seed: int, timed: bool = True, autocast: bool = False, forwards: int = 1) -> dict:
+        """One optimizer step: ``forwards`` forwards of ``seq`` tokens (under bf16 autocast if asked), one backward."""
         bench, model = self.bench, self.bench.model
         set_checkpointing(model, self.name != "none")
         if self.controller is not None:
             self.controller.attach(model)
-        ids = bench.ids(seq, seed)
-        cuda = bench.device == "cuda"
+        inputs = [bench.ids(seq, seed + i) for i in range(forwards)]
         try:
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                loss = model(input_ids=ids, labels=ids).loss
-                plan = self.plan()
-                loss.backward()
-                end.record()
-                torch.cuda.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
-                reading = torch.cuda.max_memory_allocated()
-                del loss
+            if bench.device == "cuda":
+                reading, seconds, plans = self._cuda_step(model, inputs, autocast)
             else:
-                reading, seconds, plan = self._cpu_step(model, ids, seq)
+                reading, seconds, plans = self._cpu_step(model, inputs, seq, autocast)
             model.zero_grad(set_to_none=True)
             self.probe.last = reading
             if self.controller is not None:
@@ -186,89 +213,163 @@ class Mode:
         finally:
             if self.controller is not None:
                 self.controller.detach()
-        row = dict(seq=seq, seconds=seconds, reading=reading, offload=plan[0], keep=plan[1], timed=timed)
+        offload, keep = max(p[0] for p in plans), min(p[1] for p in plans)
+        row = dict(seq=seq, seconds=seconds, reading=reading, offload=offload, keep=keep, plans=plans, timed=timed)
         self.steps.append(row)
         return row
 
-    def _cpu_step(self, model: torch.nn.Module, ids: torch.Tensor, seq: int) -> tuple[int, float, tuple[int, int]]:
+    def _forward(self, model: torch.nn.Module, ids: torch.Tensor, autocast: bool) -> torch.Tensor:
+        with torch.autocast(self.bench.device, dtype=torch.bfloat16, enabled=autocast):
+            return model(input_ids=ids, labels=ids).loss
+
+    def _cuda_step(
+        self, model: torch.nn.Module, inputs: list[torch.Tensor], autocast: bool
+    ) -> tuple[int, float, list[tuple[int, int]]]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses, plans = [], []
+        for ids in inputs:
+            losses.append(self._forward(model, ids, autocast))
+            plans.append(self.plan())
+        sum(losses).backward()
+        end.record()
+        torch.cuda.synchronize()
+        del losses
+        return torch.cuda.max_memory_allocated(), start.elapsed_time(end) / 1e3, plans
+
+    def _cpu_step(
+        self, model: torch.nn.Module, inputs: list[torch.Tensor], seq: int, autocast: bool
+    ) -> tuple[int, float, list[tuple[int, int]]]:
         bench = self.bench
         began = time.process_time()
-        if self.controller is not None:
-            # The plan is made in the forward pre-hook; decide it here first, so the cache key is known.
-            self.controller.before_forward(seq, seq)
-            key = (self.name, seq, *self.plan())
-            decide, self.controller.before_forward = self.controller.before_forward, lambda s, t: 0
-        else:
-            key = (self.name, seq, 0, 0)
-        try:
-            counted = bench.counts.get(key)
-            if counted is None:
-                with SavedBytesCounter(bench.parameter_storages) as counter:
-                    loss = model(input_ids=ids, labels=ids).loss
-                bench.counts[key] = counted = counter.bytes
-            else:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            seconds = time.process_time() - began
-        finally:
+        losses, plans, counted = [], [], 0
+        for ids in inputs:
             if self.controller is not None:
-                self.controller.before_forward = decide
-        plan = (key[2], key[3])
-        return bench.static + counted, seconds, plan
+                # The plan is made in the forward pre-hook; decide it here first, so the cache key is known.
+                self.controller.before_forward(seq, seq)
+                plan = self.plan()
+                decide, self.controller.before_forward = self.controller.before_forward, lambda s, t: 0
+            else:
+                plan = (0, 0)
+            key = (self.name, seq, *plan, autocast)
+            try:
+                count = bench.counts.get(key)
+                if count is None:
+                    with SavedBytesCounter(bench.parameter_storages) as counter:
+                        losses.append(self._forward(model, ids, autocast))
+                    bench.counts[key] = count = counter.bytes
+                else:
+                    losses.append(self._forward(model, ids, autocast))
+            finally:
+                if self.controller is not None:
+                    self.controller.before_forward = decide
+            counted += count
+            plans.append(plan)
+        sum(losses).backward()
+        seconds = time.process_time() - began
+        return bench.static + counted, seconds, plans
 
 
 # ---- scenarios ------------------------------------------------------------------------------------------
 
 
-def calibrate(bench: Bench) -> dict[str, int]:
-    """Readings of a short and a long step with every layer recomputing (plain) and with none kept (none)."""
-    readings = {}
-    for name in ("plain", "none"):
-        mode = Mode(name, bench)
-        for seq in (bench.shape.short, bench.shape.long):
-            readings[f"{name}_{seq}"] = mode.step(seq, seed=seq, timed=False)["reading"]
-    return readings
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A trace (one length per optimizer step), how each step runs, and the device it runs on."""
+
+    lengths: list[int]
+    total: int
+    autocast: bool = False
+    forwards: int = 1
+    model: str = "qwen3"
 
 
-def budgets(bench: Bench, readings: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """The device size per scenario, from the calibration readings (see the module's docstring)."""
+def reading(bench: Bench, name: str, seq: int, autocast: bool = False, forwards: int = 1) -> int:
+    """A calibration reading: one step of ``name`` (``plain``: every layer recomputing; ``none``: every layer
+    keeping, as no checkpointing does)."""
+    return Mode(name, bench).step(seq, seed=seq, timed=False, autocast=autocast, forwards=forwards)["reading"]
+
+
+def budgets(bench: Bench, hybrid: Bench | None, names: list[str]) -> tuple[dict[str, Scenario], dict[str, int]]:
+    """The device size per scenario, from calibration readings (see the module's docstring)."""
     short, long = bench.shape.short, bench.shape.long
-    recompute_long, none_long = readings[f"plain_{long}"], readings[f"none_{long}"]
+    readings: dict[str, int] = {}
+
+    def read(key: str, on: Bench, name: str, seq: int, **how: Any) -> int:
+        if key not in readings:
+            readings[key] = reading(on, name, seq, **how)
+        return readings[key]
+
     layer_input = long * bench.shape.hidden * (4 if bench.shape.dtype == "fp32" else 2)
-    mixed_limit = recompute_long + 0.5 * (none_long - recompute_long)
-    return {
-        "a": dict(lengths=[short] * 5, total=round(4 * readings[f"none_{short}"] / HIGH)),
-        "b": dict(lengths=[short, short, long, short, short], total=round(mixed_limit / (HIGH - KEEP_MARGIN))),
-        "c": dict(lengths=[long] * 3, total=round((recompute_long - 0.5 * layer_input) / HIGH)),
-    }
+    kept_room = HIGH - KEEP_MARGIN
+    scenarios = {}
+    for name in names:
+        if name == "a":
+            scenarios[name] = Scenario([short] * 5, round(4 * read(f"none_{short}", bench, "none", short) / HIGH))
+        elif name in ("b", "d"):
+            autocast = name == "d"
+            tag = "_autocast" if autocast else ""
+            recompute = read(f"plain_{long}{tag}", bench, "plain", long, autocast=autocast)
+            everything = read(f"none_{long}{tag}", bench, "none", long, autocast=autocast)
+            limit = recompute + 0.5 * (everything - recompute)
+            lengths = [short, short, long, short, short] if name == "b" else [long, short, short, short, short]
+            scenarios[name] = Scenario(lengths, round(limit / kept_room), autocast=autocast)
+        elif name == "c":
+            recompute = read(f"plain_{long}", bench, "plain", long)
+            scenarios[name] = Scenario([long] * 3, round((recompute - 0.5 * layer_input) / HIGH))
+        elif name == "e":
+            one = read(f"none_{short}", bench, "none", short) - read(f"plain_{short}", bench, "plain", short)
+            both = read(f"plain_{short}_x2", bench, "plain", short, forwards=2)
+            scenarios[name] = Scenario([short] * 4, round((both + 1.6 * one) / kept_room), forwards=2)
+        elif name == "f":
+            assert hybrid is not None
+            recompute = read(f"hybrid_plain_{short}", hybrid, "plain", short)
+            everything = read(f"hybrid_none_{short}", hybrid, "none", short)
+            limit = recompute + 0.75 * (everything - recompute)
+            scenarios[name] = Scenario([short] * 4, round(limit / kept_room), model="jamba")
+    return scenarios, readings
 
 
-def run_scenario(bench: Bench, name: str, lengths: list[int], total: int, rounds: int) -> dict[str, Any]:
+def run_scenario(bench: Bench, name: str, scenario: Scenario, rounds: int) -> dict[str, Any]:
+    lengths, how = scenario.lengths, dict(autocast=scenario.autocast, forwards=scenario.forwards)
     modes = [Mode(m, bench) for m in MODES]
     for mode in modes:
-        mode.probe.total = total
+        mode.probe.total = scenario.total
         for seq in sorted(set(lengths)) * 2 + [max(lengths)] + [min(lengths)] * 2:  # readings and measurements
-            mode.step(seq, seed=seq, timed=False)
+            mode.step(seq, seed=seq, timed=False, **how)
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):
-                modes[(round_ + i + j) % len(modes)].step(seq, seed=1000 * round_ + i)
-    limit = HIGH * total
-    result = dict(scenario=name, lengths=lengths, total_bytes=total, budget_bytes=limit, rounds=rounds, modes={})
+                modes[(round_ + i + j) % len(modes)].step(seq, seed=1000 * round_ + 10 * i, **how)
+    limit = HIGH * scenario.total
+    result = dict(
+        scenario=name,
+        lengths=lengths,
+        autocast=scenario.autocast,
+        forwards=scenario.forwards,
+        model=scenario.model,
+        total_bytes=scenario.total,
+        budget_bytes=limit,
+        rounds=rounds,
+        modes={},
+    )
     for mode in modes:
         timed = [s for s in mode.steps if s["timed"]]
         per_round = [sum(s["seconds"] for s in timed[r * len(lengths) : (r + 1) * len(lengths)]) for r in range(rounds)]
         median = statistics.median(per_round)
+        layers = bench.shape.layers
         result["modes"][mode.name] = dict(
             round_s=per_round,
             median_s=median,
             spread=(max(per_round) - min(per_round)) / median,
-            kept=statistics.fmean(s["keep"] for s in timed) / bench.shape.layers,
-            offloaded=statistics.fmean(s["offload"] for s in timed) / bench.shape.layers,
-            max_reading_over_budget=max(s["reading"] for s in timed) / limit,
+            kept=statistics.fmean(k for s in timed for _, k in s["plans"]) / layers,
+            offloaded=statistics.fmean(o for s in timed for o, _ in s["plans"]) / layers,
+            max_reading_over_budget=max(s["reading"] for s in mode.steps) / limit,
             steps_over_budget=sum(s["reading"] > limit for s in timed),
             warmup_steps_over_budget=sum(s["reading"] > limit for s in mode.steps if not s["timed"]),
-            plans=sorted({(s["seq"], s["offload"], s["keep"]) for s in timed}),
+            plans=sorted({(s["seq"], *p) for s in timed for p in s["plans"]}),
         )
     base = result["modes"]
     for values in base.values():
@@ -278,22 +379,40 @@ def run_scenario(bench: Bench, name: str, lengths: list[int], total: int, rounds
 
 
 TARGETS = {
-    "a": "auto within 3% of none and at least 15% below plain",
-    "b": "auto at least 10% below plain",
+    "a": "auto within 3% of none",
+    "b": "auto at least 20% below plain",
     "c": "auto within the spread of always",
+    "d": "auto below plain by at least half of what (a) saves",
+    "e": "auto below plain by at least half of what (a) saves",
+    "f": "auto below plain by at least half of what (a) saves",
 }
 
 
-def verdict(result: dict[str, Any]) -> bool:
+def safe(result: dict[str, Any]) -> bool:
+    """No timed step of ``always`` or ``auto`` over the budget, and no warm-up step of ``auto`` over it where
+    ``always``'s is not (the first step of a length before any reading is the policy's, the same in both)."""
+    modes = result["modes"]
+    timed = all(modes[m]["steps_over_budget"] == 0 for m in MODES[2:])
+    return timed and modes["auto"]["warmup_steps_over_budget"] <= modes["always"]["warmup_steps_over_budget"]
+
+
+def verdict(result: dict[str, Any], reference: dict[str, Any] | None = None) -> bool:
+    """The scenario's target (``TARGETS``) and :func:`safe`; ``reference``: scenario (a)'s result, for (d)-(f)."""
     m = result["modes"]
     auto = m["auto"]
-    safe = auto["steps_over_budget"] == 0 and m["always"]["steps_over_budget"] == 0
+    if not safe(result):
+        return False
     if result["scenario"] == "a":
-        return safe and auto["vs_none"] <= 1.03 and auto["vs_plain"] <= 0.85
+        return auto["vs_none"] <= 1.03
     if result["scenario"] == "b":
-        return safe and auto["vs_plain"] <= 0.90
-    always = m["always"]
-    return safe and abs(auto["median_s"] - always["median_s"]) <= always["spread"] * always["median_s"]
+        return auto["vs_plain"] <= 0.80
+    if result["scenario"] == "c":
+        always = m["always"]
+        return abs(auto["median_s"] - always["median_s"]) <= always["spread"] * always["median_s"]
+    if reference is None:
+        return False
+    saved_a = 1 - reference["modes"]["auto"]["vs_plain"]
+    return 1 - auto["vs_plain"] >= 0.5 * saved_a
 
 
 # ---- output ---------------------------------------------------------------------------------------------
@@ -308,7 +427,8 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"- device: {env['device_name']}",
         f"- torch {env['torch']}, transformers {env['transformers']}, python {env['python']}, date {env['date']}",
         f"- command: `{env['command']}`",
-        f"- model: Qwen3 layers, random weights, {env['shape']}",
+        f"- model: Qwen3 layers ((f): a hybrid Jamba stack, Mamba and attention + 2 experts alternating), random "
+        f"weights, {env['shape']}",
         f"- time: {clock} of forward + backward per step, summed over the trace; median over {env['rounds']} "
         "rounds, modes interleaved step by step (rotating order); spread = (slowest - fastest round) / median",
         f"- budget: memory_high {HIGH} x device size; reading = "
@@ -319,7 +439,7 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
         ),
         "",
         "| scenario | mode | time per trace, ms | spread | vs none | vs plain | kept | offloaded "
-        "| max reading / budget | steps over budget |",
+        "| max reading / budget | steps over budget (timed, warm-up) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
@@ -327,15 +447,18 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {result['scenario']} | {name} | {v['median_s'] * 1e3:.1f} | {v['spread']:.0%} | {v['vs_none']:.3f} "
                 f"| {v['vs_plain']:.3f} | {v['kept']:.0%} | {v['offloaded']:.0%} "
-                f"| {v['max_reading_over_budget']:.3f} | {v['steps_over_budget']} |"
+                f"| {v['max_reading_over_budget']:.3f} | {v['steps_over_budget']}, {v['warmup_steps_over_budget']} |"
             )
     lines += ["", "Scenarios and targets:", ""]
     for result in results:
         lengths = ", ".join(map(str, result["lengths"]))
         met = "met" if result["met"] else "NOT met"
+        how = ", bf16 autocast" if result["autocast"] else ""
+        how += f", {result['forwards']} forwards per backward" if result["forwards"] > 1 else ""
+        how += ", hybrid Jamba" if result["model"] == "jamba" else ""
         lines.append(
-            f"- ({result['scenario']}) lengths {lengths}; device {result['total_bytes'] / 2**20:.1f} MiB; "
-            f"target: {TARGETS[result['scenario']]}: **{met}**"
+            f"- ({result['scenario']}) lengths {lengths}{how}; device {result['total_bytes'] / 2**20:.1f} MiB; "
+            f"target: {TARGETS[result['scenario']]}, no step of always or auto over the budget: **{met}**"
         )
     return "\n".join(lines) + "\n"
 
@@ -346,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rounds", type=int, help="timed passes over each trace (CPU 12, GPU 3)")
-    parser.add_argument("--scenario", nargs="*", choices=("a", "b", "c"), default=["a", "b", "c"])
+    parser.add_argument(
+        "--scenario", nargs="*", choices=tuple(TARGETS), help="default: all (CPU), a b c (GPU, --quick)"
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model and one round: checks the script")
     options = parser.parse_args(argv)
     if options.device == "cuda" and not torch.cuda.is_available():
@@ -359,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     rounds = options.rounds or (1 if options.quick else 12 if options.device == "cpu" else 3)
     shape = SHAPES["quick" if options.quick else options.device]
+    names = options.scenario or (list(TARGETS) if options.device == "cpu" and not options.quick else ["a", "b", "c"])
     bench = Bench(shape, options.device)
-    readings = calibrate(bench)
-    plans = budgets(bench, readings)
+    hybrid = Bench(shape, options.device, "jamba") if "f" in names else None
+    plans, readings = budgets(bench, hybrid, names)
     name = torch.cuda.get_device_name() if options.device == "cuda" else platform.processor() or platform.machine()
     env = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -378,11 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     options.out.mkdir(parents=True, exist_ok=True)
-    for scenario in options.scenario:
+    for scenario in names:
         plan = plans[scenario]
-        result = run_scenario(bench, scenario, plan["lengths"], plan["total"], rounds)
-        result["met"] = verdict(result)
-        result["safe"] = all(result["modes"][m]["steps_over_budget"] == 0 for m in ("always", "auto"))
+        on = hybrid if plan.model == "jamba" else bench
+        result = run_scenario(on, scenario, plan, rounds)
+        reference = next((r for r in results if r["scenario"] == "a"), None)
+        result["met"] = verdict(result, reference)
+        result["safe"] = safe(result)
         results.append(result)
         (options.out / "ladder.json").write_text(json.dumps(dict(env, results=results), indent=1) + "\n")
         (options.out / "ladder.md").write_text(render(env, results))

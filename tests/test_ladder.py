@@ -121,9 +121,12 @@ def test_measured_bytes_and_the_fit_across_lengths(attention):
     controller = OffloadController(Settings(recompute="auto"), probe=Ample())
     controller.attach(net)
     train_loop(net, controller, [64, 128, 64, 128, 96, 64])
-    samples = controller.kept_model.samples
-    assert set(samples) == {(64, 64), (128, 128), (96, 96)}  # measured once per length, where it kept
-    shape = controller.kept_model.seed
+    # Measured once per length and layer, where it kept (every layer here): the layers are alike.
+    every = controller.kept_model.samples
+    assert set(every) == {(i, t, t) for i in range(LAYERS) for t in (64, 128, 96)}
+    assert len({every[(i, 96, 96)] for i in range(LAYERS)}) == 1
+    samples = controller.kept_model.layers[-1].samples
+    shape = controller.kept_model.layers[-1].seed
     if attention == "sdpa":
         # fp32, SDPA on a CPU: linear in tokens, and the seed's arithmetic is the count (4.52.4) or one
         # hidden-sized tensor per token above it (5.23 saves one less).
@@ -152,7 +155,7 @@ def test_seed_from_a_config_and_state_round_trip():
     assert model.predict(128, 64) == pytest.approx(1000.0 * shape.bytes(128, 64) / shape.bytes(64, 64))
     again = KeptLayerModel(shape)
     again.load_state_dict(model.state_dict())
-    assert again.samples == model.samples
+    assert again.samples == model.samples and again.cast_bytes == 0
 
 
 # ---- results equal plain checkpointing --------------------------------------------------------------------
@@ -292,7 +295,7 @@ def test_trainer_logs_the_kept_fraction_and_the_policy_sees_the_peak_as_if_all_r
     trainer.train()
     kept = [h["autooffload/kept"] for h in trainer.state.log_history if "loss" in h]
     assert kept == [0.0, 1.0, 1.0, 1.0]
-    kept_bytes = LAYERS * callback.controller.kept_model.predict(64, 64)
+    kept_bytes = callback.controller.kept_model.kept_bytes(LAYERS, 64, 64)
     assert seen == [None, 10**7, 10**7 - kept_bytes, 10**7 - kept_bytes]
 
 
@@ -311,7 +314,7 @@ def test_keep_is_off_while_offloading_rescuing_or_in_fixed_modes():
         fixed = OffloadController(Settings(recompute="auto", mode=mode), probe=Ample())
         fixed.attach(checkpointed(qwen3(dropout=0.0)))
         fixed.end_step()
-        fixed.longest_read_tokens = 64
+        fixed.kept_model.longest_read_tokens = 64
         fixed.before_forward(64, 64)
         assert fixed.switch.kept == 0
 
@@ -355,8 +358,8 @@ def test_the_measured_model_is_in_the_saved_state():
     resumed = OffloadController(Settings(recompute="auto"), probe=Ample())
     resumed.load_state_dict(state)
     resumed.attach(checkpointed(qwen3(dropout=0.0)))
-    assert resumed.kept_model.samples == controller.kept_model.samples and (64, 64) in resumed.kept_model.samples
-    assert resumed.longest_read_tokens == 64
+    assert resumed.kept_model.samples == controller.kept_model.samples and (3, 64, 64) in resumed.kept_model.samples
+    assert resumed.kept_model.longest_read_tokens == 64
     # The last reading is in the state too: the first micro-batch after the resume keeps, as the uninterrupted
     # run's would, and measures nothing again.
     resumed.before_forward(64, 64)

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..warn import WarnOnce
 from .host_memory import HostMemory
-from .keep import keep_function, measuring_keep_function, parameter_storages
+from .keep import keep_function, measuring_keep_function, measuring_plain_function, parameter_storages
 from .offload import OffloadStats, SyncEngine
 from .stacks import plan_stacks
 from .wrapped import rewrap, wrapper_chain
@@ -384,10 +384,11 @@ class CheckpointSwitch:
     ``apply(k, keep)`` makes the first ``k`` layers of the text stack (in order: their inputs are saved earliest
     and live longest) offload, the last ``keep`` run without checkpointing (:mod:`~autooffload.apply.keep`: a
     container's call runs ``layer.__call__`` directly, a ``CheckpointWrapper`` its wrapped module) and the others
-    recompute. With ``measure``, the first kept layer counts what it saved and hands the bytes to
-    ``on_measured``. The layers are the text stack's layer targets, or, for a
-    container target, its calls in one forward (:class:`LayerCalls`). Other stacks (a VLM's vision blocks)
-    and outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
+    recompute. With ``measure``, every kept or recomputing layer counts what it keeps (or would keep without
+    checkpointing) and hands its position, the bytes and the autocast dtype's bytes (0: off) to
+    ``on_measured``. The layers are the text stack's layer targets, or, for a container target, its calls
+    in one forward (:class:`LayerCalls`). Other stacks (a VLM's vision blocks) and outer targets keep plain
+    checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`OffloadEngine`.
     ``host``: where a named engine takes its host buffers (default: a manager of its own).
     """
@@ -422,14 +423,27 @@ class CheckpointSwitch:
             self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i), s.target)
             for i, s in enumerate(self.layers)
         ]
-        self.on_measured: Callable[[int], None] | None = None
+        self.on_measured: Callable[[int, int, int], None] | None = None
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
         self._keep_measured = [
             self._tag(
-                measuring_keep_function(functools.partial(parameter_storages, [s.target.module]), self._measured),
+                measuring_keep_function(
+                    functools.partial(parameter_storages, [s.target.module]), functools.partial(self._measured, i)
+                ),
                 s.target,
             )
-            for s in self.layers
+            for i, s in enumerate(self.layers)
+        ]
+        self._plain_measured = [
+            self._tag(
+                measuring_plain_function(
+                    _plain_function(s.target.kwargs, self.forward.counter(i)),
+                    functools.partial(parameter_storages, [s.target.module]),
+                    functools.partial(self._measured, i),
+                ),
+                s.target,
+            )
+            for i, s in enumerate(self.layers)
         ]
         for target in targets:
             if target.kind == "container" and target.text:
@@ -461,7 +475,7 @@ class CheckpointSwitch:
         earliest first), keep the last ``keep`` layers in module order, recompute the others."""
         k = max(0, min(k, len(self.layers)))
         keep = max(0, min(keep, len(self.layers) - k))
-        measure = measure and keep > 0
+        measure = measure and k < len(self.layers)
         order = tuple(range(len(self.layers))) if order is None else tuple(order)
         if (k, keep, measure, order) == (self.offloaded, self.kept, self.measuring, self.order):
             return
@@ -469,9 +483,10 @@ class CheckpointSwitch:
         offloading = set(order[:k])
         for position, slot in enumerate(self.layers):
             if position >= first_kept:
-                function = (self._keep_measured if measure and position == first_kept else self._keep)[position]
+                function = (self._keep_measured if measure else self._keep)[position]
             else:
-                function = self._offload[position] if position in offloading else self._plain_layer[position]
+                plain = self._plain_measured[position] if measure else self._plain_layer[position]
+                function = self._offload[position] if position in offloading else plain
             calls = self._calls.get(id(slot.target))
             if calls is not None:
                 calls.functions[slot.index] = function
@@ -480,9 +495,9 @@ class CheckpointSwitch:
         self.offloaded, self.kept, self.measuring, self.order = k, keep, measure, order
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
 
-    def _measured(self, nbytes: int) -> None:
+    def _measured(self, position: int, nbytes: int, cast_bytes: int) -> None:
         if self.on_measured is not None:
-            self.on_measured(nbytes)
+            self.on_measured(position, nbytes, cast_bytes)
 
     def new_forward(self) -> None:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a

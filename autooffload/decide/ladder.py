@@ -10,15 +10,18 @@ The plan (offload ``k``, keep ``m``) puts the first ``k`` layers on offload (the
 last ``m`` on keep (their activations are the first the backward frees, and the last layer's recompute is
 what the backward starts with) and the rest on recompute. It starts from the predicted peak with every layer
 recomputing: over the limit, offload the fewest layers that bring it under, and keep none; under it, keep as
-many layers as fit below the limit less a margin, offload none. Keeping trades the most memory for the least
-time (one layer's activations against one layer's forward), so it is only worth it where nothing must be
-offloaded. Without a prediction (no memory reading yet, no GPU) nothing is kept. Pure: no torch, no clock, no I/O.
+many layers as fit below the limit less a margin, offload none (what keeping the last ``m`` layers adds
+is given per ``m``: layers differ, and every forward alive before the backward keeps its own). Keeping
+trades the most memory for the least time (one layer's activations against one layer's forward), so it is
+only worth it where nothing must be offloaded. Without a prediction (no memory reading yet, no GPU) nothing
+is kept. Pure: no torch, no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 # What keep leaves free below memory_high, as a share of the device: room for what the prediction misses
 # (fragmentation, a kept layer's transient buffers).
@@ -35,7 +38,7 @@ class Rungs:
 
 def plan(
     predicted: float | None,
-    kept_bytes: float | None,
+    kept_bytes: float | Sequence[float] | None,
     offloaded_bytes: float | None,
     layers: int,
     limit: float | None,
@@ -45,10 +48,11 @@ def plan(
     """The plan for a micro-batch.
 
     ``predicted``: the step's peak in bytes with every checkpointed layer recomputing; ``kept_bytes``: what
-    keeping one layer adds; ``offloaded_bytes``: what offloading one layer frees; ``limit``: memory_high x
-    device memory; ``margin``: bytes keep must leave free below ``limit``; ``keep_levels``: the only numbers
-    of kept layers allowed (torch.compile), rounded down to. Offload stops at ``layers - 1``: the last layer's
-    input comes straight back for its recompute, so moving it does not lower the peak.
+    keeping one layer adds, or per ``m`` what keeping the last ``m`` adds (``kept_bytes[m - 1]``);
+    ``offloaded_bytes``: what offloading one layer frees; ``limit``: memory_high x device memory;
+    ``margin``: bytes keep must leave free below ``limit``; ``keep_levels``: the only numbers of kept layers
+    allowed (torch.compile), rounded down to. Offload stops at ``layers - 1``: the last layer's input comes
+    straight back for its recompute, so moving it does not lower the peak.
     """
     if predicted is None or limit is None or layers <= 0:
         return Rungs(0, 0)
@@ -62,17 +66,21 @@ def plan(
 
 def keep(
     predicted: float,
-    kept_bytes: float | None,
+    kept_bytes: float | Sequence[float] | None,
     layers: int,
     limit: float,
     margin: float = 0.0,
     keep_levels: tuple[int, ...] | None = None,
 ) -> int:
-    """How many layers may keep: the most whose added bytes fit under ``limit - margin``."""
+    """How many layers may keep: the most whose added bytes fit under ``limit - margin``. ``kept_bytes``: one
+    layer's bytes (every layer alike), or the bytes of keeping the last 1, 2, ... layers."""
     room = limit - margin - predicted
     if room <= 0 or kept_bytes is None:
         return 0
-    count = layers if kept_bytes <= 0 else min(int(room // kept_bytes), layers)
+    if isinstance(kept_bytes, Sequence):
+        count = max((m for m, added in enumerate(kept_bytes[:layers], 1) if added <= room), default=0)
+    else:
+        count = layers if kept_bytes <= 0 else min(int(room // kept_bytes), layers)
     if keep_levels:
         count = max((level for level in keep_levels if level <= count), default=0)
     return max(count, 0)
