@@ -319,14 +319,23 @@ def read_config(path: str | Path) -> tuple[int, int]:
     return layers, hidden  # type: ignore[return-value]
 
 
+def _config_or_none(path: str | Path) -> dict[str, Any] | None:
+    """A ``config.json`` (or a folder holding one) as a dict, or None where it cannot be read: for the optional
+    figures, once :func:`read_config` has said what is wrong with a file that is."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def read_streams(path: str | Path) -> int:
     """Residual streams per token of a layer input (``hc_mult``/``hc_count``, text config first); 1 if none."""
-    path = Path(path)
-    try:
-        config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return 1
-    if not isinstance(config, dict):
+    config = _config_or_none(path)
+    if config is None:
         return 1
     text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
     streams = _first_int([*text, config], STREAM_KEYS)
@@ -336,14 +345,8 @@ def read_streams(path: str | Path) -> int:
 def read_encoder_decoder(path: str | Path) -> tuple[int, int] | None:
     """(encoder layers, decoder layers) of an encoder-decoder ``config.json`` (``is_encoder_decoder``: BART's and
     Whisper's ``encoder_layers``/``decoder_layers``, T5's ``num_layers``/``num_decoder_layers``); None otherwise."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(config, dict) or config.get("is_encoder_decoder") is not True:
+    config = _config_or_none(path)
+    if config is None or config.get("is_encoder_decoder") is not True:
         return None
     encoder = _first_int([config], ("encoder_layers", "num_layers", "num_hidden_layers"))
     decoder = _first_int([config], ("decoder_layers", "num_decoder_layers")) or encoder
@@ -352,14 +355,8 @@ def read_encoder_decoder(path: str | Path) -> tuple[int, int] | None:
 
 def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerShape | None:
     """The layer's sizes for the keep figures from a ``config.json`` (text config first); None where it has none."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(config, dict):
+    config = _config_or_none(path)
+    if config is None:
         return None
     scope = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     fields = {k: v for k, v in scope.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
