@@ -63,7 +63,12 @@ class InOrderTrainer(Trainer):
 
 
 def training_args(
-    tmp_path, steps: int, offload: object = "auto", checkpointing: bool = True, **extra
+    tmp_path,
+    steps: int,
+    offload: object = "auto",
+    checkpointing: bool = True,
+    arguments: type[TrainingArguments] = TrainingArguments,
+    **extra,
 ) -> TrainingArguments:
     kwargs = dict(
         output_dir=str(tmp_path),
@@ -82,7 +87,7 @@ def training_args(
         if offload is None:
             kwargs = {k: ({} if k.endswith("_kwargs") else v) for k, v in kwargs.items()}
     kwargs.update(extra)
-    return TrainingArguments(**kwargs)
+    return arguments(**kwargs)
 
 
 def train(tmp_path, lengths, callbacks=(), offload: object = "auto", steps: int | None = None, seed: int = 0, **extra):

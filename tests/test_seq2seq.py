@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import training_args
 from torch.utils.data import SequentialSampler
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings
 from autooffload.apply.stacks import plan_stacks
 from autooffload.apply.switch import find_targets
-from autooffload.demo import checkpointing_arguments
 
 LAYERS, HIDDEN, VOCAB, BATCH = 3, 64, 256, 2
 # (source, target) per optimizer step: the encoder's layers free the most on the first, the decoder's on the second.
@@ -134,19 +134,7 @@ class Fixed:
 def seq2seq(name: str, tmp_path, **callback_args):
     """Train ``name`` for len(SHAPES) steps; (per-step (level, bytes), losses, parameters, the Record)."""
     net = MODELS[name]()
-    args = Seq2SeqTrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=BATCH,
-        max_steps=len(SHAPES),
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        **checkpointing_arguments(),
-    )
+    args = training_args(tmp_path, len(SHAPES), per_device_train_batch_size=BATCH, arguments=Seq2SeqTrainingArguments)
     callback = AutoOffloadCallback(probe=None, **callback_args)
     record = Record(callback)
     trainer = InOrder(model=net, args=args, train_dataset=Pairs(name, SHAPES), callbacks=[callback, record])
