@@ -233,12 +233,6 @@ def _repeated_blocks(module: torch.nn.Module) -> tuple[str, int] | None:
     return None if best is None else (best[2], best[1])
 
 
-def text_stack(model: torch.nn.Module, targets: list[CheckpointTarget]) -> str | None:
-    """The first planned stack (:func:`~autooffload.apply.stacks.plan_stacks`), None when there is none."""
-    stacks = plan_stacks(model, targets)[0]
-    return stacks[0].name if stacks else None
-
-
 def _plain_function(kwargs: dict[str, Any], counted: Callable[[], None] | None = None) -> Callable[..., Any]:
     if counted is None:
 
