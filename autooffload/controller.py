@@ -154,7 +154,6 @@ class OffloadController:
         self._keep_config: tuple | None = None  # the keep planner's layers and seed, for the attached model
         self._backward_hook: Any = None  # counts backwards for the keep planner (recompute="auto")
         self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
-        self._width: observe.LayerInputWidth | None = None  # reads the first layer call's input width
         self.reset()
 
     def reset(self) -> None:
@@ -251,7 +250,7 @@ class OffloadController:
         self._model, self._dormant = model, []
         self.compiled = is_compiled(model) if compiled is None else compiled
         self.layer_token_bytes = self.layer_token_bytes or self._layer_bytes_guess
-        self._read_input_width()
+        self.switch.forward.on_first_call = self._on_first_call
         self.logits_token_bytes, self.work_token_bytes = observe.token_terms(model)
         self.optimizer = optimizer if optimizer is not None else self.optimizer
         self.probe = self._make_probe(observe.model_devices(model))
@@ -295,22 +294,23 @@ class OffloadController:
         if model is not None:
             install_plain(model)
 
-    def _read_input_width(self) -> None:
-        """Where the config's width may be wrong, the first call of the first planned layer says: its input's
-        bytes per token replace the config's guess before any measurement exists."""
-        assert self.switch is not None
-        if self._width is not None:
-            self._width.remove()
-        module = observe.first_layer_module(self.switch.layers[0].target) if self.switch.layers else None
-        self._width = None if module is None else observe.LayerInputWidth(module, self._on_input_width)
-
-    def _on_input_width(self, nbytes: int) -> None:
-        if self.switch is None or not self.switch.layers or self.last_step_bytes or self.stats.total_bytes:
+    def _on_first_call(self, position: int, nbytes: int) -> None:
+        """A planned layer's first call in this micro-batch, with its input's real bytes. They replace the
+        running micro-batch's estimate for that layer (what :meth:`planned_bytes` and the step's measurement
+        count) and set its stack's bytes per token for the next decision; before any bytes were measured, the
+        first stack's call sets ``layer_token_bytes`` itself, in place of the config's guess."""
+        if self.switch is None or position >= len(self.switch.layers):
             return
-        stack = self.switch.layers[0].target.stack
-        tokens = self.last_lengths.get(stack, (0, 0))[1] * self._stack_width.get(stack, 1.0)
+        stack = self.switch.layers[position].target.stack
+        tokens = self.last_lengths.get(stack, (0, 0))[1]
         if tokens > 0:
-            self.layer_token_bytes = nbytes / tokens
+            guessed = not (self.last_step_bytes or self.stats.total_bytes)
+            if guessed and stack == self.switch.layers[0].target.stack:
+                self.layer_token_bytes = nbytes / (tokens * self._stack_width.get(stack, 1.0))
+            elif self.layer_token_bytes:
+                self._stack_width[stack] = nbytes / (tokens * self.layer_token_bytes)
+        if self._running is not None and self.layer_token_bytes:
+            self._running[1][position] = nbytes / self.layer_token_bytes
 
     def _join_ranks(self, ready: bool) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
@@ -340,9 +340,6 @@ class OffloadController:
         unwatch = getattr(self.probe, "unwatch_model", None)
         if callable(unwatch):
             unwatch()
-        if self._width is not None:
-            self._width.remove()
-            self._width = None
         if self._backward_hook is not None:
             self._backward_hook.remove()
             self._backward_hook = None
@@ -425,6 +422,7 @@ class OffloadController:
         level = max(self.switch.offloaded, 0)
         self.switch.close()
         self.switch = CheckpointSwitch(targets, self.stats, self.switch.engine, warn=self.warn)
+        self.switch.forward.on_first_call = self._on_first_call
         self._plan_stacks(self._model, targets)
         self._running = None
         self._configure_keep(self._model)
@@ -467,7 +465,7 @@ class OffloadController:
         size over the model's: an encoder and a decoder of different widths)."""
         self.stacks, warning = plan_stacks(model, targets)
         if warning is not None:
-            self.warn("stacks-apart", warning)
+            self.warn(*warning)
         reference = observe.hidden_size(model)
         self._stack_width = {
             stack.name: stack.hidden / reference if stack.hidden and reference else 1.0 for stack in self.stacks
@@ -512,13 +510,13 @@ class OffloadController:
         lengths = read_lengths(module, stacks, args, kwargs) if stacks else {}
         if not lengths:
             shape = token_shape(args, kwargs)
-            if shape is None:
+            if shape is None and self.switch is not None and self.switch.layers:
                 self.warn(
                     "no-tokens",
                     f"{type(module).__name__} was called without input_ids or inputs_embeds; the sequence-length "
                     "trigger is off for such calls and only the memory reading decides",
                 )
-                shape = (0, 0)
+            shape = shape or (0, 0)
             lengths = {stack.name: shape for stack in stacks}
             seq_len, tokens = shape
         else:

@@ -23,6 +23,7 @@ ANCHORS = {
     "no-tokens": "no-tokens",
     "container-calls": "container-calls",
     "stacks-apart": "stacks-apart",
+    "stack-length": "stack-length",
     "checkpointing-off": "checkpointing-off",
     "unknown": "unknown",
     "offload-wrapper": "offload-wrapper",

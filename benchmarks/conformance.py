@@ -21,7 +21,7 @@ encoder-decoder). Checked per type:
 - no exception in any run;
 - ``on``: bytes moved == the bytes of every recorded call's input == the arithmetic autooffload reports
   (its bytes per token at attach x the offloaded layers x tokens, from its history record);
-- partial: bytes moved == the arithmetic, and equal to the inputs of that many of the recorded calls;
+- partial: bytes moved == the arithmetic, and equal to the inputs of that many layers (every call of each);
 - loss and every gradient bit-identical to plain checkpointing, in both runs;
 - warnings (``AutoOffloadWarning`` and the ``transformers.autooffload`` log at WARNING) are collected; a
   run that moves what it should must warn nothing, a run left on plain checkpointing must say so once.
@@ -307,13 +307,23 @@ def _first_tensor(args: tuple) -> Any:
     return next((a for a in args if isinstance(a, torch.Tensor)), None)
 
 
-def _owner(function: Any) -> str:
-    """The module class a checkpointed function belongs to, for the report."""
+def _owner(function: Any) -> Any:
+    """The module a checkpointed function belongs to: a bound method's, or the first argument of a partial over a
+    plain ``forward`` (Dory's layers); None where neither."""
     import functools
 
+    import torch
+
     while isinstance(function, functools.partial):
+        if function.args and isinstance(function.args[0], torch.nn.Module):
+            return function.args[0]
         function = function.func
-    owner = getattr(function, "__self__", None)
+    return getattr(function, "__self__", None)
+
+
+def _owner_name(function: Any) -> str:
+    """The module class a checkpointed function belongs to, for the report."""
+    owner = _owner(function)
     return type(owner).__name__ if owner is not None else getattr(function, "__qualname__", "?")
 
 
@@ -325,6 +335,7 @@ class CheckpointCalls:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.per_module: dict[int, int] = {}  # bytes of every call of one module (a layer called twice: both)
         self._seen: list[weakref.ref] = []
 
     def record(self, function: Any, args: tuple) -> None:
@@ -333,13 +344,14 @@ class CheckpointCalls:
         if not torch.is_grad_enabled():
             return
         tensor = _first_tensor(args)
-        if tensor is None:
-            self.calls.append((_owner(function), 0))
+        nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        if tensor is not None and any(ref() is tensor for ref in self._seen):
             return
-        if any(ref() is tensor for ref in self._seen):
-            return
-        self._seen.append(weakref.ref(tensor))
-        self.calls.append((_owner(function), tensor.numel() * tensor.element_size()))
+        if tensor is not None:
+            self._seen.append(weakref.ref(tensor))
+        self.calls.append((_owner_name(function), nbytes))
+        key = id(_owner(function) or function)
+        self.per_module[key] = self.per_module.get(key, 0) + nbytes
 
     @contextlib.contextmanager
     def watching(self):
@@ -384,6 +396,7 @@ class StepResult:
     loss: Any = None
     grads: dict[str, Any] = dataclasses.field(default_factory=dict)
     calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    per_module: dict[int, int] = dataclasses.field(default_factory=dict)
     layers: int | None = None
     moved: int | None = None
     arithmetic: float | None = None
@@ -456,7 +469,7 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
                 controller.detach()
         result.loss = loss.detach().clone()
         result.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        result.calls = recorder.calls
+        result.calls, result.per_module = recorder.calls, recorder.per_module
         result.warnings = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
         result.logs = [f"{r.levelname}: {r.getMessage()}" for r in handler.records]
         result.warnings += [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING]
@@ -563,9 +576,9 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         if on.moved == measured and measured > 0:
             if partial.arithmetic is None or partial.moved != round(partial.arithmetic):
                 problems.append(f"partial: moved {partial.moved} != arithmetic {partial.arithmetic}")
-            sums = _subset_sums([n for _, n in plain.calls], row["partial_level"])
+            sums = _subset_sums(list(plain.per_module.values()), row["partial_level"])
             if sums is not None and partial.moved not in sums:
-                problems.append(f"partial: moved {partial.moved} is not the input of {row['partial_level']} calls")
+                problems.append(f"partial: moved {partial.moved} is not the input of {row['partial_level']} layers")
     warned = row["warnings"]
     if on.moved == 0 and measured > 0 and not problems:
         if len(warned) == 1 and "no checkpointed layers found" not in warned[0]:

@@ -212,8 +212,9 @@ def test_stacks_that_cannot_be_told_apart_get_one_accurate_warning():
     net.gradient_checkpointing_enable()
     stacks, warning = plan_stacks(net, find_targets(net)[0])
     assert [stack.name for stack in stacks] == ["model.decoder.layers"]
-    assert warning is not None and "only model.decoder.layers is planned" in warning
-    assert "model.encoder.layers run(s) plain checkpointing" in warning
+    assert warning is not None and warning[0] == "stacks-apart"
+    assert "only model.decoder.layers is planned" in warning[1]
+    assert "model.encoder.layers run(s) plain checkpointing" in warning[1]
     with pytest.warns(AutoOffloadWarning, match="cannot tell its encoder's") as caught:
         OffloadController(Settings(mode="on"), probe=None).attach(net)
     assert len([w for w in caught if "cannot tell" in str(w.message)]) == 1
@@ -235,3 +236,73 @@ def test_a_call_to_the_base_model_alone_is_decided_with_both_lengths():
     }
     assert controller.last_step_bytes == LAYERS * (layer_bytes(40) + layer_bytes(24))
     controller.detach()
+
+
+def prophetnet() -> torch.nn.Module:
+    config = transformers.ProphetNetConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        num_encoder_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_encoder_attention_heads=4,
+        num_decoder_attention_heads=4,
+        ngram=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return transformers.ProphetNetForConditionalGeneration(config)
+
+
+def led() -> torch.nn.Module:
+    config = transformers.LEDConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        attention_window=16,
+        max_encoder_position_embeddings=128,
+        max_decoder_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return transformers.LEDForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("make", [prophetnet, led], ids=["prophetnet", "led"])
+def test_the_next_decision_sizes_each_layer_by_what_its_first_call_took(make):
+    """ProphetNet's decoder layers take 1 + ngram streams of the target, LED's encoder a source padded to its
+    attention window: neither layer input is tokens x hidden. The first step's layer calls say what they are, and
+    the second step's decision sizes every layer exactly."""
+    net = make()
+    net.gradient_checkpointing_enable()
+    net.train()
+    seen, inputs = [], {}
+
+    class Spy:
+        def decide(self, observation):
+            seen.append(observation.layer_bytes)
+            return 2 * LAYERS
+
+    def record(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        inputs[module] = hidden.numel() * hidden.element_size()
+
+    layers = [m for name, m in net.named_modules() if name.rpartition(".")[0].endswith("layers") and name[-1].isdigit()]
+    assert len(layers) == 2 * LAYERS
+    for layer in layers:
+        layer.register_forward_pre_hook(record, with_kwargs=True)
+    controller = OffloadController(Settings(engine="sync"), probe=None, policy=Spy())
+    controller.attach(net)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        source = torch.randint(3, VOCAB, (BATCH, 40), generator=generator)
+        labels = torch.randint(3, VOCAB, (BATCH, 24), generator=generator)
+        net(input_ids=source, labels=labels).loss.backward()
+        controller.end_step()
+    assert sorted(seen[1]) == sorted(inputs.values())
+    assert controller.history[-1].bytes_moved == sum(inputs.values())

@@ -28,15 +28,18 @@ DECODER_PARAMETERS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
 class Stack:
     """A planned stack. ``name``: the ModuleList path (or a container's stack); ``role``: ``"text"``,
     ``"encoder"`` or ``"decoder"``; ``entry``: the module whose call carries this stack's tokens;
-    ``hidden``: the hidden size of its layer input (None: unknown); ``downsample``: input positions per layer
-    position (a speech encoder's strided convolutions: Whisper's 2)."""
+    ``hidden``: the hidden size of its layer input (None: unknown); ``convs``: (kernel, stride, padding,
+    dilation) of each strided 1-D convolution the entry runs on ``input_features`` before the layers (Whisper's
+    and Speech2Text's subsamplers), and ``features``: the feature size the first of them takes (which axis of
+    ``input_features`` holds the frames: the last for Whisper, the middle one for Speech2Text)."""
 
     name: str
     role: str
     entry: torch.nn.Module
     entry_name: str
     hidden: int | None = None
-    downsample: int = 1
+    convs: tuple[tuple[int, int, int, int], ...] = ()
+    features: int | None = None
 
 
 def stack_sizes(targets: list[Any]) -> dict[str, int]:
@@ -48,9 +51,10 @@ def stack_sizes(targets: list[Any]) -> dict[str, int]:
     return sizes
 
 
-def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack], str | None]:
-    """The stacks to plan, in module order, and a warning where an encoder-decoder's stacks cannot be told
-    apart (then the text rule alone picks, and the other stack keeps plain checkpointing)."""
+def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack], tuple[str, str] | None]:
+    """The stacks to plan, in module order, and a warning (its key and text) where an encoder-decoder's stacks
+    cannot be told apart (then the text rule alone picks, and the other stack keeps plain checkpointing) or a
+    stack's length cannot be read (SpeechT5's speech encoder takes ``input_values``: nothing is planned)."""
     sizes = stack_sizes(targets)
     if not sizes:
         return [], None
@@ -60,13 +64,26 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False) is True:
         halves = [_part(model, "get_encoder", names), _part(model, "get_decoder", names)]
-        chosen = [_text_stacks(model, [s for s in sizes if _under(s, half)], sizes, names) for half in halves]
-        if all(half is not None for half in halves) and all(len(found) == 1 for found in chosen):
+        encoder_stacks = [s for s in sizes if _under(s, halves[0])]
+        decoder_stacks = [s for s in sizes if _under(s, halves[1]) and s not in encoder_stacks]  # Florence-2's
+        # get_decoder() returns the language model that holds the encoder too
+        chosen = [_text_stacks(model, found, sizes, names) for found in (encoder_stacks, decoder_stacks)]
+        if all(half is not None for half in halves) and all(found is not None and len(found) == 1 for found in chosen):
             encoder, decoder = chosen[0][0], chosen[1][0]
-            return [
+            planned = [
                 _stack(model, modules, encoder, "encoder", owners[encoder]),
                 _stack(model, modules, decoder, "decoder", owners[decoder]),
-            ], None
+            ]
+            unread = [stack for stack in planned if not _readable(stack, model)]
+            if unread:
+                stack = unread[0]
+                return [], (
+                    "stack-length",
+                    f"{type(model).__name__}'s {stack.role} ({stack.name}) runs on an input whose length autooffload "
+                    f"cannot read (its forward takes none of {', '.join(TOKEN_PARAMETERS)}), so autooffload plans "
+                    "no layer of this model: every checkpointed layer keeps plain checkpointing",
+                )
+            return planned, None
         found = (_text_stacks(model, list(sizes), sizes, names) or [])[-1:]
         others = [name for name in sizes if name not in found]
         warning = (
@@ -74,7 +91,7 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
             f"checkpointed stack from its decoder's: only {found[0]} is planned, with the input_ids length; "
             f"{', '.join(others) or 'no other stack'} run(s) plain checkpointing"
         )
-        return [_stack(model, modules, name, "text", owners[name]) for name in found], warning
+        return [_stack(model, modules, name, "text", owners[name]) for name in found], ("stacks-apart", warning)
     found = _text_stacks(model, list(sizes), sizes, names) or []
     return [_stack(model, modules, name, "text", owners[name]) for name in found], None
 
@@ -132,7 +149,17 @@ def _stack(model: torch.nn.Module, modules: dict[str, torch.nn.Module], name: st
         entry_name = entry_name.rpartition(".")[0]
     entry = modules[entry_name]
     config = getattr(entry, "config", None) or getattr(model, "config", None)
-    return Stack(name, role, entry, entry_name, _hidden(config), _downsample(entry, entry_name, name, modules))
+    convs = _subsampling(entry, entry_name, name, modules)
+    features = convs[0][1] if convs else None
+    return Stack(name, role, entry, entry_name, _hidden(config), tuple(c[0] for c in convs), features)
+
+
+def _readable(stack: Stack, model: torch.nn.Module) -> bool:
+    """Can :func:`read_lengths` read this stack's length from a call of its entry or of the attached model?"""
+    if takes_tokens(stack.entry):
+        return True
+    keys = DECODER_PARAMETERS if stack.role == "decoder" else TOKEN_PARAMETERS
+    return stack.entry is not model and any(name in keys for name in _parameters(model))
 
 
 def takes_tokens(module: torch.nn.Module) -> bool:
@@ -157,17 +184,30 @@ def _hidden(config: Any) -> int | None:
     return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
 
 
-def _downsample(entry: torch.nn.Module, entry_name: str, stack: str, modules: dict[str, torch.nn.Module]) -> int:
-    """Input positions per layer position: the product of the strides of the 1-D convolutions the entry runs
-    before its layers (Whisper's encoder: 1 x 2), 1 where it has none."""
-    if not hasattr(entry, "forward") or "input_features" not in _parameters(entry):
-        return 1
+def _subsampling(
+    entry: torch.nn.Module, entry_name: str, stack: str, modules: dict[str, torch.nn.Module]
+) -> list[tuple[tuple[int, int, int, int], int]]:
+    """((kernel, stride, padding, dilation), input channels) of each strided 1-D convolution the entry runs on
+    ``input_features`` before its layers, in module order; none for an entry that takes no features."""
+    if "input_features" not in _parameters(entry):
+        return []
     prefix = entry_name + "." if entry_name else ""
-    factor = 1
+    found = []
     for name, module in modules.items():
-        if isinstance(module, torch.nn.Conv1d) and name.startswith(prefix) and not name.startswith(stack + "."):
-            factor *= int(module.stride[0])
-    return max(factor, 1)
+        if not isinstance(module, torch.nn.Conv1d) or not name.startswith(prefix) or name.startswith(stack + "."):
+            continue
+        padding = module.padding if isinstance(module.padding, tuple) else (0,)  # "valid"; "same" has stride 1
+        if int(module.stride[0]) > 1:
+            shape = (int(module.kernel_size[0]), int(module.stride[0]), int(padding[0]), int(module.dilation[0]))
+            found.append((shape, int(module.in_channels)))
+    return found
+
+
+def frames_after(length: int, convs: tuple[tuple[int, int, int, int], ...]) -> int:
+    """A sequence's length after ``convs``, torch's Conv1d arithmetic: ``(L + 2p - d(k - 1) - 1) // s + 1``."""
+    for kernel, stride, padding, dilation in convs:
+        length = max((length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1, 0)
+    return length
 
 
 def entries(model: torch.nn.Module, stacks: list[Stack]) -> list[tuple[torch.nn.Module, list[Stack]]]:
@@ -186,14 +226,19 @@ def entries(model: torch.nn.Module, stacks: list[Stack]) -> list[tuple[torch.nn.
     return [(modules[name], chosen[name]) for name in sorted(chosen, key=order.__getitem__)]
 
 
-def _shape(value: Any, features: bool = False, downsample: int = 1) -> tuple[int, int] | None:
+def _shape(value: Any, stack: Stack | None = None) -> tuple[int, int] | None:
+    """(sequence length, tokens) of a stack's input: ids ``[batch, seq]``, embeddings ``[batch, seq, hidden]``,
+    or, with ``stack`` (``input_features``), speech features whose frame axis is the one that is not the feature
+    size, subsampled by the stack's convolutions."""
     if not torch.is_tensor(value) or value.dim() < 1:
         return None
-    if features:  # [batch, channels, frames]
+    if stack is not None:
         if value.dim() < 2:
             return None
-        seq = -(-int(value.shape[-1]) // downsample)
-        return seq, seq * int(value.numel() // (value.shape[-1] * value.shape[-2]))
+        axis = -2 if value.dim() >= 3 and value.shape[-1] == stack.features != value.shape[-2] else -1
+        frames = int(value.shape[axis])
+        seq = frames_after(frames, stack.convs)
+        return seq, seq * int(value.numel() // (frames * (value.shape[-1] if axis == -2 else value.shape[-2])))
     if value.is_floating_point():  # embeddings: [batch, seq, hidden]
         if value.dim() < 2:
             return None
@@ -212,7 +257,7 @@ def read_lengths(module: torch.nn.Module, stacks: list[Stack], args: tuple, kwar
         own = stack.entry is module or stack.role != "decoder"
         keys = TOKEN_PARAMETERS if own else DECODER_PARAMETERS
         for key in keys:
-            shape = _shape(bound.get(key), key == "input_features", stack.downsample)
+            shape = _shape(bound.get(key), stack if key == "input_features" else None)
             if shape is not None:
                 found[stack.name] = shape
                 break

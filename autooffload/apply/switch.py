@@ -233,7 +233,7 @@ def _repeated_blocks(module: torch.nn.Module) -> tuple[str, int] | None:
     return None if best is None else (best[2], best[1])
 
 
-def _plain_function(kwargs: dict[str, Any], counted: Callable[[], None] | None = None) -> Callable[..., Any]:
+def _plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
     if counted is None:
 
         def checkpoint_plain(function, *args, **call_kwargs):
@@ -242,7 +242,7 @@ def _plain_function(kwargs: dict[str, Any], counted: Callable[[], None] | None =
         return checkpoint_plain
 
     def checkpoint_plain(function, *args, **call_kwargs):
-        counted()
+        counted(args)
         return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_plain
@@ -280,13 +280,19 @@ class ForwardState:
     """What the checkpoint functions share within one forward of the attached model: the layer inputs already
     handed to the engine (one is not moved twice), each container's call counter, and how often each planned
     layer was called under grad (``counts``, since the last :meth:`take_counts`). The controller's
-    pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision."""
+    pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision.
+
+    ``on_first_call(position, nbytes)``, when set, hears the bytes of each planned layer's input at its first
+    grad-enabled call after a take: the size a layer input really has (a source padded to a block size,
+    ProphetNet's n-gram streams, a speech pre-net's frames), which no token count read before the forward
+    says exactly."""
 
     def __init__(self, layers: int = 0) -> None:
         self.moved: list[weakref.ref] = []
         self.calls: list[LayerCalls] = []
         self.counts = [0] * layers
         self.last = [1] * layers
+        self.on_first_call: Callable[[int, int], None] | None = None
 
     def new_forward(self) -> None:
         self.moved.clear()
@@ -300,13 +306,19 @@ class ForwardState:
         self.last = [count or last for count, last in zip(counts, self.last, strict=True)]
         return counts
 
-    def counter(self, position: int) -> Callable[[], None]:
-        """What layer ``position``'s functions call at every call: it counts the call when it saves inputs."""
+    def counter(self, position: int) -> Callable[[tuple], None]:
+        """What layer ``position``'s functions call at every call with its arguments: it counts the call when it
+        saves inputs, and reports the first such call's layer input to ``on_first_call``."""
 
         @torch.compiler.disable
-        def counted() -> None:
-            if torch.is_grad_enabled():
-                self.counts[position] += 1
+        def counted(args: tuple) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if self.counts[position] == 0 and self.on_first_call is not None:
+                layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+                if layer_input is not None and layer_input.is_floating_point():
+                    self.on_first_call(position, layer_input.numel() * layer_input.element_size())
+            self.counts[position] += 1
 
         return counted
 
@@ -353,7 +365,7 @@ def _offload_function(
     counted = forward.counter(position)
 
     def checkpoint_offload(function, *args, **call_kwargs):
-        counted()
+        counted(args)
         layer_input = forward.claim(args)
         if layer_input is None:
             return checkpoint(function, *args, **kwargs, **call_kwargs)

@@ -5,7 +5,8 @@ recompute working-set terms, the devices, the optimizer state to come) come from
 parameters. Configs are not plain records: a per-layer config (Gemma-4's) raises on a global read of
 ``head_dim``, a composite one may raise in ``get_text_config()``, a remote-code one may raise anything. So every
 config read here goes through :class:`ConfigView`, where an attribute that raises is an attribute that is
-absent; what the config does not say is then read from the first layer call (:class:`LayerInputWidth`).
+absent; what the config does not say is then read from each planned layer's first call (the controller's
+``_on_first_call``).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def streams(model: torch.nn.Module) -> int:
 
 def layer_token_bytes(model: torch.nn.Module) -> float | None:
     """Bytes one token's checkpointed layer input takes, from the config: streams x hidden size x parameter
-    dtype bytes. A first guess only: :class:`LayerInputWidth` corrects it at the first layer call, and the
-    controller replaces it with what the hooks measure once a step has offloaded."""
+    dtype bytes. A first guess only: the first call of the first planned layer replaces it, and the
+    controller with what the hooks measure once a step has offloaded."""
     hidden, size = hidden_size(model), dtype_bytes(model)
     return float(streams(model) * hidden * size) if hidden and size else None
 
@@ -119,30 +120,6 @@ def model_devices(model: torch.nn.Module) -> list[torch.device]:
     return sorted(devices, key=str) or [torch.device("cpu")]
 
 
-class LayerInputWidth:
-    """Reads the layer input's bytes from the first grad-enabled call of the first planned layer, for what the
-    config does not say (a stream count under a name not in ``STREAM_KEYS``, a width unlike ``hidden_size``,
-    a layer that takes more positions than tokens, as ProphetNet's n-gram streams). ``found(nbytes)`` is
-    called once; the hook then removes itself."""
-
-    def __init__(self, module: torch.nn.Module, found: Any) -> None:
-        self.found = found
-        self.handle = module.register_forward_pre_hook(self._read, with_kwargs=True)
-
-    def _read(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
-            return
-        layer_input = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
-        self.remove()
-        if isinstance(layer_input, torch.Tensor) and layer_input.is_floating_point():
-            self.found(layer_input.numel() * layer_input.element_size())
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-
 def _unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and alike)."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
@@ -173,16 +150,3 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, int | None]:
     if any(g.get("amsgrad") for g in groups):
         factor += 1.0
     return held, round(factor * trainable)
-
-
-def first_layer_module(target: Any) -> torch.nn.Module | None:
-    """The module of a planned stack's first layer: the target itself for a layer target, the first block of
-    a container's repeated list (``target.stack`` names it) otherwise."""
-    if target.kind != "container":
-        return target.module
-    prefix = target.name + "." if target.name else ""
-    try:
-        blocks = target.module.get_submodule(target.stack[len(prefix) :])
-        return blocks[0]
-    except Exception:  # a container laid out otherwise: the config's width stands
-        return None
