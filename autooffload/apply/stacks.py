@@ -149,9 +149,8 @@ def _stack(model: torch.nn.Module, modules: dict[str, torch.nn.Module], name: st
         entry_name = entry_name.rpartition(".")[0]
     entry = modules[entry_name]
     config = getattr(entry, "config", None) or getattr(model, "config", None)
-    convs = _subsampling(entry, entry_name, name, modules)
-    features = convs[0][1] if convs else None
-    return Stack(name, role, entry, entry_name, _hidden(config), tuple(c[0] for c in convs), features)
+    convs, features = _subsampling(entry, entry_name, name, modules)
+    return Stack(name, role, entry, entry_name, _hidden(config), convs, features)
 
 
 def _readable(stack: Stack, model: torch.nn.Module) -> bool:
@@ -186,21 +185,22 @@ def _hidden(config: Any) -> int | None:
 
 def _subsampling(
     entry: torch.nn.Module, entry_name: str, stack: str, modules: dict[str, torch.nn.Module]
-) -> list[tuple[tuple[int, int, int, int], int]]:
-    """((kernel, stride, padding, dilation), input channels) of each strided 1-D convolution the entry runs on
-    ``input_features`` before its layers, in module order; none for an entry that takes no features."""
+) -> tuple[tuple[tuple[int, int, int, int], ...], int | None]:
+    """(kernel, stride, padding, dilation) of each strided 1-D convolution the entry runs on ``input_features``
+    before its layers, in module order, and the input channels of its first convolution (the feature size);
+    ``((), None)`` for an entry that takes no features."""
     if "input_features" not in _parameters(entry):
-        return []
+        return (), None
     prefix = entry_name + "." if entry_name else ""
-    found = []
+    convs, features = [], None
     for name, module in modules.items():
         if not isinstance(module, torch.nn.Conv1d) or not name.startswith(prefix) or name.startswith(stack + "."):
             continue
+        features = int(module.in_channels) if features is None else features
         padding = module.padding if isinstance(module.padding, tuple) else (0,)  # "valid"; "same" has stride 1
         if int(module.stride[0]) > 1:
-            shape = (int(module.kernel_size[0]), int(module.stride[0]), int(padding[0]), int(module.dilation[0]))
-            found.append((shape, int(module.in_channels)))
-    return found
+            convs.append((int(module.kernel_size[0]), int(module.stride[0]), int(padding[0]), int(module.dilation[0])))
+    return tuple(convs), features
 
 
 def frames_after(length: int, convs: tuple[tuple[int, int, int, int], ...]) -> int:
