@@ -4,7 +4,8 @@ Ranks see different micro-batches (one long, one short) and each reads its own d
 rank with the short micro-batch keeps its saved inputs on the device while its neighbour offloads: under
 FSDP or ZeRO-3 the step is as slow as the slowest rank anyway, and under torch.compile the ranks would run
 different graphs and recompile at different steps. So before every training micro-batch's forward the ranks
-agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of a one-element tensor.
+agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of three integers (the level, and,
+negated so that MAX gives their minimum, the host-memory cap and the keep count).
 
 What a policy sees: ``decide`` gets this rank's own observation (its sequence length, its memory reading).
 When the group's level differs from what it decided, it is told through an optional method

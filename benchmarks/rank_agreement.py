@@ -21,10 +21,13 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autooffload first
 
 from autooffload.distributed import AgreementGroup, all_reduce_max, collective_device
 
