@@ -250,6 +250,14 @@ def test_axolotl_plugin_rejects_a_bad_setting_when_axolotl_registers_it(value, e
         load_plugin().register({"autooffload": value})
 
 
+def test_a_bad_environment_variable_is_not_blamed_on_the_axolotl_config(monkeypatch):
+    monkeypatch.setenv("AUTOOFFLOAD_SEQ_HIGH", "lots")
+    load_plugin().register({"autooffload": {"mode": "auto"}})  # the config is fine
+    with pytest.raises(SettingsError, match="AUTOOFFLOAD_SEQ_HIGH") as raised:
+        load_plugin().add_callbacks_pre_trainer({"autooffload": "auto"}, None)
+    assert "axolotl config" not in str(raised.value)
+
+
 def test_axolotl_plugin_stays_out_of_axolotls_own_activation_offloading():
     with pytest.warns(AutoOffloadWarning, match="axolotl's activation_offloading moves every activation") as caught:
         callbacks = load_plugin().add_callbacks_pre_trainer(

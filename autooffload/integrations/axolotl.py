@@ -70,7 +70,7 @@ def plugin_settings(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     else:
         raise SettingsError(f"axolotl config {KEY}: {value!r} is not a mode, true or a mapping of settings")
     try:
-        Settings.from_env(**settings)
+        Settings.from_env({}, **settings)  # the config's values alone: the environment is checked where it is read
     except SettingsError as error:
         raise SettingsError(f"axolotl config {KEY}: {error}") from None
     return settings
