@@ -520,7 +520,9 @@ class OffloadController:
             lengths = {stack.name: shape for stack in stacks}
             seq_len, tokens = shape
         else:
-            seq_len, tokens = max(seq for seq, _ in lengths.values()), sum(t for _, t in lengths.values())
+            # Stacks of one role read one input (HRM's two text stacks the same input_ids): its tokens count once.
+            by_role = {stack.role: lengths[stack.name][1] for stack in stacks if stack.name in lengths}
+            seq_len, tokens = max(seq for seq, _ in lengths.values()), sum(by_role.values())
         if not self._step_begun:
             self.begin_step()
         if len(self.stacks) > 1:
@@ -531,8 +533,9 @@ class OffloadController:
     def before_forward(self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None) -> int:
         """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded.
 
-        ``seq_len``: the longest of the stacks' lengths (the sequence trigger reads it); ``tokens``: all
-        stacks' tokens together. ``lengths``: (sequence length, tokens) per planned stack, by name; a stack
+        ``seq_len``: the longest of the stacks' lengths (the sequence trigger reads it); ``tokens``: the micro-batch's
+        input tokens (an encoder-decoder's source and target together; stacks that read one input, such as HRM's,
+        count it once). ``lengths``: (sequence length, tokens) per planned stack, by name; a stack
         not named runs no tokens, and without ``lengths`` every planned stack runs ``seq_len`` and ``tokens``."""
         if self.switch is None:
             return 0
