@@ -520,7 +520,9 @@ class OffloadController:
             lengths = {stack.name: shape for stack in stacks}
             seq_len, tokens = shape
         else:
-            seq_len, tokens = max(seq for seq, _ in lengths.values()), sum(t for _, t in lengths.values())
+            # Stacks of one role read one input (HRM's two text stacks the same input_ids): its tokens count once.
+            by_role = {stack.role: lengths[stack.name][1] for stack in stacks if stack.name in lengths}
+            seq_len, tokens = max(seq for seq, _ in lengths.values()), sum(by_role.values())
         if not self._step_begun:
             self.begin_step()
         if len(self.stacks) > 1:
@@ -531,8 +533,9 @@ class OffloadController:
     def before_forward(self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None) -> int:
         """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded.
 
-        ``seq_len``: the longest of the stacks' lengths (the sequence trigger reads it); ``tokens``: all
-        stacks' tokens together. ``lengths``: (sequence length, tokens) per planned stack, by name; a stack
+        ``seq_len``: the longest of the stacks' lengths (the sequence trigger reads it); ``tokens``: the micro-batch's
+        input tokens (an encoder-decoder's source and target together; stacks that read one input, such as HRM's,
+        count it once). ``lengths``: (sequence length, tokens) per planned stack, by name; a stack
         not named runs no tokens, and without ``lengths`` every planned stack runs ``seq_len`` and ``tokens``."""
         if self.switch is None:
             return 0
@@ -616,8 +619,9 @@ class OffloadController:
         return self.layer_token_bytes * sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
 
     def _close_micro_batch(self) -> None:
-        """The micro-batch that ran last is over: add its offloaded layers' saved tokens, as its calls counted
-        them, to the step's (``end_step`` measures ``layer_token_bytes`` from them and the bytes moved)."""
+        """The micro-batch that ran last is over: add the saved tokens of its offloaded layers that the engine
+        moved, as their calls counted them, to the step's (``end_step`` measures ``layer_token_bytes`` from them
+        and the bytes moved; the stream engine leaves the last layer's input on the device)."""
         if self.switch is None:
             return
         counts = self.switch.forward.take_counts()
@@ -625,6 +629,8 @@ class OffloadController:
             return
         offloaded, per_call = self._running
         self._running = None
+        if not getattr(self.switch.engine, "moves_last", True):  # an engine that says so (the stream engine)
+            offloaded = offloaded - {len(self.switch.layers) - 1}
         self._layer_tokens += sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
 
     def _host_cap(self, tokens: int, layer_bytes: tuple[int, ...] | None = None) -> int | None:

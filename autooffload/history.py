@@ -11,7 +11,8 @@ A record (one JSON object per line, keys in this order):
 - ``step``: the optimizer step, counted as Trainer counts ``global_step`` (1 is the first step).
 - ``seq_lens``, ``tokens``, ``offloaded``, ``reasons``: one entry per micro-batch of the step: its sequence
   length, its tokens (batch x sequence), the checkpointed layers that offloaded, and why (:data:`REASONS`).
-  With several planned stacks (an encoder-decoder): the longest stack's length and the sum of their tokens.
+  With several planned stacks: the longest stack's length, and the input tokens (an encoder-decoder's source
+  and target tokens together; stacks that read one input, such as HRM's, count it once).
   A rescued step lists the rerun's micro-batches only.
 - ``kept``: with ``AUTOOFFLOAD_RECOMPUTE=auto``, one entry per micro-batch: the checkpointed layers that ran
   without checkpointing (kept, not recomputed); ``null`` with ``always``.

@@ -323,3 +323,19 @@ def test_the_pool_gives_memory_back_after_offload_has_been_off(tmp_path):
     assert held[:3] == [LAYERS * per_layer] * 3 and held[4:] == [0] * 4
     assert len(pinning.unpinned) == LAYERS and pinning.pinned == set()
     assert callback.controller.host.releases == callback.controller.host.allocations == LAYERS
+
+
+def test_the_stream_engine_measures_a_layer_input_from_the_layers_it_moves_and_the_cap_holds(tmp_path):
+    # Step 1 (64 tokens) offloads all 4 layers; the stream engine leaves the last one's input on the device. Its
+    # bytes per token must still be a layer input's: measured over all 4 layers' tokens, it came out at 3/4, and the
+    # cap at step 2 (128 tokens) allowed 3 layers where the budget holds 2 (the third stayed, with a warning).
+    per_layer = 128 * HIDDEN * 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback, rows, *_ = run(
+            tmp_path, [64, 128], Pinning(), "stream", mode="on", host_memory=f"{5 * per_layer // 2}B"
+        )
+    assert [w for w in caught if issubclass(w.category, AutoOffloadWarning)] == []
+    assert callback.controller.layer_token_bytes == HIDDEN * 4
+    assert [(level, moved) for level, moved, _ in rows] == [(4, 3 * per_layer // 2), (2, 2 * per_layer)]
+    assert callback.controller.host.peak_held_bytes <= callback.controller.host.budget_bytes

@@ -416,3 +416,50 @@ def test_a_container_called_without_the_attached_model_still_counts_its_calls_fr
         controller.end_step()
         assert controller.last_step_bytes == LAYERS * layer_bytes(32)
     controller.detach()
+
+
+def qwen3() -> torch.nn.Module:
+    from autooffload.demo import tiny_qwen3
+
+    return tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+
+
+def grads_with_a_side_forward(net: torch.nn.Module, side: str, controller_args: dict | None) -> tuple[list, tuple]:
+    """A training forward, then a no-grad or an eval forward of another length, then the first one's backward:
+    (the gradients, (the bytes the step moved, the bytes per token measured); None without a controller)."""
+    net.gradient_checkpointing_enable()
+    net.train()
+    controller = OffloadController(probe=None, **controller_args) if controller_args is not None else None
+    if controller is not None:
+        controller.attach(net)
+    ids, other = torch.randint(0, VOCAB, (2, 32)), torch.randint(0, VOCAB, (2, 48))
+    loss = net(input_ids=ids, labels=ids).loss
+    if side == "no_grad":
+        with torch.no_grad():
+            net(input_ids=other, labels=other)
+    else:
+        net.eval()
+        net(input_ids=other, labels=other)
+        net.train()
+    loss.backward()
+    if controller is None:
+        return [p.grad for p in net.parameters()], None
+    controller.end_step()
+    controller.detach()
+    return [p.grad for p in net.parameters()], (controller.last_step_bytes, controller.layer_token_bytes)
+
+
+@pytest.mark.parametrize("build", [remote_model, qwen3])
+@pytest.mark.parametrize("side", ["no_grad", "eval"])
+@pytest.mark.parametrize(("controller_args", "level"), [({"mode": "on"}, LAYERS), ({"policy": Fixed(2)}, 2)])
+def test_a_forward_between_a_training_forward_and_its_backward_changes_neither_bytes_nor_gradients(
+    build, side, controller_args, level
+):
+    # The side forward restarts the container's call counter and the moved inputs, as any forward does; the
+    # training forward's saved inputs, their bytes and the gradients stay those of plain checkpointing.
+    torch.manual_seed(0)
+    reference, _ = grads_with_a_side_forward(build(), side, None)
+    torch.manual_seed(0)
+    grads, measured = grads_with_a_side_forward(build(), side, controller_args)
+    assert measured == (level * 2 * layer_bytes(32), HIDDEN * 4)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))

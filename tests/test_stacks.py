@@ -131,3 +131,20 @@ def test_hrm_text_partial_level_offloads_the_layers_called_most_once_counted(tmp
     # Step 1 knows no counts yet and offloads the first two in module order (L_module's, 3 calls each); step 2
     # ranks by counted calls, the same two.
     assert record.steps == [(2, 6 * expected_bytes(SEQ, BATCH, layers=1))] * 2
+
+
+def test_hrm_text_micro_batch_tokens_are_its_input_tokens_once_though_both_stacks_read_them(tmp_path):
+    # Both stacks run on the one input_ids: the micro-batch has BATCH x SEQ tokens, not one count per stack.
+    from autooffload.history import read_history
+
+    seen = []
+
+    class Spy:
+        def decide(self, observation):
+            seen.append(observation.tokens)
+            return 4
+
+    train_fixed(tmp_path, hrm(), steps=2, policy=Spy())
+    assert seen == [BATCH * SEQ] * 2
+    records = read_history(tmp_path / "autooffload" / "history.jsonl")
+    assert [record["tokens"] for record in records] == [[BATCH * SEQ]] * 2
