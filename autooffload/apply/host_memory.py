@@ -233,10 +233,11 @@ class HostMemory:
         with self._lock:
             self._release([b for bs in self._free.values() for b in bs], None)
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:
         # Nothing is on loan (a loan holds its manager), so every buffer is free: unpin before the mappings go.
         # An unmapped range still registered stays pinned and may refuse a later registration at its address.
-        if sys.is_finalizing():
+        # ``sys`` itself may be gone at interpreter exit, hence the bound default.
+        if _finalizing():
             return
         with contextlib.suppress(Exception):  # a finalizer must not raise; at worst the pages stay pinned
             self.release_all()
