@@ -147,6 +147,7 @@ class OffloadController:
         self._hooks: list[Any] = []  # the post-forward hooks, and the entry modules' pre- and post-forward hooks
         self.stacks: list[Stack] = []
         self._stack_width: dict[str, float] = {}  # a stack's layer input per token, relative to layer_token_bytes
+        self._config_width: dict[str, float] = {}  # the same from the config (hidden sizes): what a new run starts with
         self._active: torch.nn.Module | None = None  # the entry whose call decided the running micro-batch
         self._attached_identity: dict[str, Any] | None = None  # the attached model's (autooffload.lifecycle)
         self._layer_bytes_guess: float | None = None  # its bytes per token of a layer input, from the config
@@ -173,6 +174,7 @@ class OffloadController:
         self.memory_bytes: int | None = None
         self.total_bytes: int | None = None
         self.layer_token_bytes: float | None = self._layer_bytes_guess if self._model is not None else None
+        self._stack_width = dict(self._config_width)  # a width learned is relative to the measured bytes just dropped
         self.pending_bytes = 0
         self.last_step_clean = True
         self._side_work = False
@@ -467,9 +469,11 @@ class OffloadController:
         if warning is not None:
             self.warn(*warning)
         reference = observe.hidden_size(model)
-        self._stack_width = {
+        self._config_width = {
             stack.name: stack.hidden / reference if stack.hidden and reference else 1.0 for stack in self.stacks
         }
+        learned = {name: width for name, width in self._stack_width.items() if name in self._config_width}
+        self._stack_width = {**self._config_width, **learned}  # learned or restored ones stay (a rebuild, a resume)
 
     def _entry_hooks(self, module: torch.nn.Module, stacks: list[Stack]) -> list[Any]:
         """A pre- and a post-forward hook on a module that a micro-batch may enter without the attached model
@@ -985,6 +989,7 @@ class OffloadController:
             "memory": {"fraction": self.memory_fraction, "bytes": self.memory_bytes, "total": self.total_bytes},
             "peak_memory_fraction": self.peak_memory_fraction,
             "layer_token_bytes": self.layer_token_bytes,
+            "stack_width": dict(self._stack_width),
             "last_step_rescued": self.last_step_rescued,
             "last_step_clean": self.last_step_clean,
             "pending_bytes": self.pending_bytes,
@@ -1033,6 +1038,10 @@ class OffloadController:
         self.total_bytes = memory.get("total")
         self.peak_memory_fraction = state.get("peak_memory_fraction")
         self.layer_token_bytes = state.get("layer_token_bytes") or self.layer_token_bytes
+        widths = state.get("stack_width")
+        if isinstance(widths, dict):  # before attach every name; after, those of the planned stacks
+            known = self._config_width or widths
+            self._stack_width.update({str(name): float(width) for name, width in widths.items() if name in known})
         self.last_step_rescued = bool(state.get("last_step_rescued", False))
         self.last_step_clean = bool(state.get("last_step_clean", True))
         self.pending_bytes = int(state.get("pending_bytes") or 0)  # a checkpoint after step 0: Adam's state to come

@@ -7,6 +7,8 @@ its convolutions' stride 2), the decoder's with the target (the labels the decod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -306,3 +308,52 @@ def test_the_next_decision_sizes_each_layer_by_what_its_first_call_took(make):
         controller.end_step()
     assert sorted(seen[1]) == sorted(inputs.values())
     assert controller.history[-1].bytes_moved == sum(inputs.values())
+
+
+def steps_with(make, resume_at=None, reset_at=None, steps=3):
+    """(the decision's layer bytes, the bytes moved) of each step of a run that offloads one layer per micro-batch:
+    the layer that frees the most. ``resume_at``: a new controller continues from the JSON of the state saved before
+    that step; ``reset_at``: the controller starts a new run there (a second ``train()``)."""
+    net = make()
+    net.gradient_checkpointing_enable()
+    net.train()
+    seen = []
+
+    class OneLayer:
+        def decide(self, observation):
+            seen.append(observation.layer_bytes)
+            return 1
+
+    controller = OffloadController(Settings(engine="sync"), probe=None, policy=OneLayer())
+    controller.attach(net)
+    generator = torch.Generator().manual_seed(0)
+    moved = []
+    for step in range(steps):
+        if step == resume_at:
+            state = json.loads(json.dumps(controller.state_dict()))
+            controller.detach()
+            controller = OffloadController(Settings(engine="sync"), probe=None, policy=OneLayer())
+            controller.load_state_dict(state)
+            controller.attach(net)
+        if step == reset_at:
+            controller.reset()
+        source = torch.randint(3, VOCAB, (BATCH, 40), generator=generator)
+        labels = torch.randint(3, VOCAB, (BATCH, 24), generator=generator)
+        net(input_ids=source, labels=labels).loss.backward()
+        controller.end_step()
+        moved.append(controller.last_step_bytes)
+    controller.detach()
+    return list(zip(seen, moved, strict=True))
+
+
+@pytest.mark.parametrize("make", [prophetnet, led], ids=["prophetnet", "led"])
+def test_a_resumed_run_sizes_each_layer_as_the_uninterrupted_one(make):
+    """What the first calls said of each stack (ProphetNet's decoder: 3 streams; LED's encoder: a padded source) is
+    part of the saved state: after a resume the same layer is offloaded and sized as without the interruption."""
+    assert steps_with(make, resume_at=2)[2] == steps_with(make)[2]
+
+
+@pytest.mark.parametrize("make", [prophetnet, led], ids=["prophetnet", "led"])
+def test_a_new_run_starts_from_the_config_as_the_first_one_did(make):
+    """reset() drops the measured bytes per token, and with them what each stack's width was measured against."""
+    assert steps_with(make, reset_at=2)[2] == steps_with(make)[0]
