@@ -190,6 +190,7 @@ class OffloadController:
         self.active = 0.0
         self.last_seq_len = 0
         self.last_tokens = 0
+        self.bytes_per_layer: int | None = None  # a planned layer's saved input in this micro-batch, the mean
         self._running: tuple[frozenset[int], list[float]] | None = None  # its offloaded layers, layer-tokens
         self.last_observation: Observation | None = None
         self.last_lengths: dict[str, tuple[int, int]] = {}
@@ -548,6 +549,7 @@ class OffloadController:
         self.last_lengths = dict(lengths) if lengths is not None else {s.name: (seq_len, tokens) for s in self.stacks}
         per_call, layer_tokens, order = self._layer_tokens_and_order()
         layer_bytes = self._layer_bytes(layer_tokens, order)
+        self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
         cap = self._host_cap(tokens, layer_bytes)
         decided = self._capped(self._decide(seq_len, tokens, cap, layer_bytes), cap) if self.switch.layers else 0
         if len(self.stacks) > 1:
@@ -690,7 +692,7 @@ class OffloadController:
             layers,
             memory_bytes=memory_bytes,
             total_bytes=self.total_bytes,
-            bytes_per_layer=round(sum(layer_bytes) / layers) if layer_bytes and layers else None,
+            bytes_per_layer=self.bytes_per_layer,
             layer_bytes=layer_bytes if layer_bytes and len(set(layer_bytes)) > 1 else None,
             levels=compile_levels(layers, self.settings.compile_max_switches) if self.compiled else None,
             last_step_rescued=self.last_step_rescued,
@@ -745,9 +747,8 @@ class OffloadController:
                 f"{type(self.policy).__name__} does not, so every layer recomputes",
             )
             return 0
-        per_layer = round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None
         try:
-            predicted = predict(tokens, per_layer)
+            predicted = predict(tokens, self.bytes_per_layer)  # sized as the decision sized it: each stack's width
         except Exception as error:  # a user's policy must not end the run
             self.warn("keep-predict", f"{type(self.policy).__name__}.predict raised {error!r}; nothing is kept")
             return 0
