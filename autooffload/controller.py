@@ -185,6 +185,7 @@ class OffloadController:
         self.rescuing = False
         self.last_step_rescued = False
         self._layer_tokens = 0
+        self._reported = False  # an offloaded layer's call said its input's bytes in this step
         self.peak_memory_fraction: float | None = None
         self.last_step_bytes = 0
         self.active = 0.0
@@ -314,6 +315,7 @@ class OffloadController:
                 self._stack_width[stack] = nbytes / (tokens * self.layer_token_bytes)
         if self._running is not None and self.layer_token_bytes:
             self._running[1][position] = nbytes / self.layer_token_bytes
+            self._reported |= position in self._running[0]
 
     def _join_ranks(self, ready: bool) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
@@ -847,9 +849,12 @@ class OffloadController:
         self._close_micro_batch()
         self._settle_budget()
         self.last_step_bytes = self.stats.next_step()
-        if self.last_step_bytes and self._layer_tokens and not self.rescuing:
+        # Where the layer calls said their bytes, the step's tokens are those bytes over layer_token_bytes itself:
+        # measuring it again would only fold in what the engine did not move (the stream engine's last layer, an
+        # input already moved), step after step, towards 0.
+        if self.last_step_bytes and self._layer_tokens and not self.rescuing and not self._reported:
             self.layer_token_bytes = self.last_step_bytes / self._layer_tokens
-        self._layer_tokens = 0
+        self._layer_tokens, self._reported = 0, False
         self.last_step_rescued, self.rescuing = self.rescuing, False
         self.steps_offloading += int(self._offloaded_this_step)
         self._offloaded_this_step = False

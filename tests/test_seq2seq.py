@@ -357,3 +357,64 @@ def test_a_resumed_run_sizes_each_layer_as_the_uninterrupted_one(make):
 def test_a_new_run_starts_from_the_config_as_the_first_one_did(make):
     """reset() drops the measured bytes per token, and with them what each stack's width was measured against."""
     assert steps_with(make, reset_at=2)[2] == steps_with(make)[0]
+
+
+def speech_to_text() -> torch.nn.Module:
+    config = transformers.Speech2TextConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        input_feat_per_channel=16,
+        input_channels=1,
+        num_conv_layers=2,
+        conv_channels=32,
+        conv_kernel_sizes=(5, 5),
+        max_source_positions=64,
+        max_target_positions=64,
+        pad_token_id=0,
+        decoder_start_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Speech2TextForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize(
+    ("make", "features"),
+    [(whisper, (BATCH, 16, WHISPER_FRAMES)), (speech_to_text, (BATCH, 45, 16))],
+    ids=["whisper", "speech_to_text"],
+)
+def test_the_first_decision_sizes_a_speech_encoders_layers_from_its_features(make, features):
+    """Before any layer call, the speech encoder's layer input is read from the features: Whisper's [batch, mels,
+    frames] over a stride-2 convolution, Speech2Text's [batch, frames, features] over two (45 -> 23 -> 12). The
+    first step's decision must size each layer as its call then takes (the conformance sweep cannot tell: its
+    arithmetic counts what the calls took)."""
+    net = make()
+    net.gradient_checkpointing_enable()
+    net.train()
+    seen, inputs = [], {}
+
+    class Spy:
+        def decide(self, observation):
+            seen.append(observation.layer_bytes or (observation.bytes_per_layer,) * observation.layers)
+            return 0
+
+    def record(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        inputs[module] = hidden.numel() * hidden.element_size()
+
+    for module in net.modules():
+        if type(module).__name__.endswith(("EncoderLayer", "DecoderLayer")):
+            module.register_forward_pre_hook(record, with_kwargs=True)
+    controller = OffloadController(Settings(engine="sync"), probe=None, policy=Spy())
+    controller.attach(net)
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(3, VOCAB, (BATCH, 24), generator=generator)
+    net(input_features=torch.randn(*features, generator=generator), labels=labels).loss.backward()
+    controller.end_step()
+    assert len(inputs) == 2 * LAYERS
+    assert sorted(seen[0]) == sorted(inputs.values())

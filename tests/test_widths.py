@@ -94,3 +94,34 @@ def test_the_keep_plan_and_the_history_size_a_layer_as_the_decision_does():
     real = 2 * 48 * 64 * 4
     assert decided[2:] == [real, real]
     assert predicted[2] and all(per_layer == real for calls in predicted[2:] for per_layer in calls), predicted
+
+
+@pytest.mark.parametrize("engine", ["stream", "sync"])
+def test_bytes_per_layer_stay_what_the_layer_calls_say_when_less_moves(engine):
+    """The stream engine does not move the last layer's input (its backward comes first), and a layer's input
+    already moved in the forward is not moved again: a step moves less than its layer calls took. That shortfall
+    must not feed back into the bytes per token the next calls are measured against, step after step (it did:
+    x 3/4 a step with 4 layers, down to 0.0 and the host cap off)."""
+    from test_layers import ParallelModel, RemoteConfig
+
+    torch.manual_seed(0)
+    net = model() if engine == "stream" else ParallelModel(RemoteConfig())
+    net.gradient_checkpointing_enable()
+    net.train()
+    sizes = []
+
+    class AllLayers:
+        def decide(self, observation):
+            sizes.append(observation.bytes_per_layer)
+            return observation.layers
+
+    controller = OffloadController(Settings(engine=engine), probe=None, policy=AllLayers())
+    controller.attach(net)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(6):
+        net(input_ids=ids).logits.sum().backward()
+        controller.end_step()
+    hidden = net.config.hidden_size
+    assert 0 < controller.last_step_bytes < len(controller.switch.layers) * 2 * 16 * hidden * 4
+    assert sizes[1:] == [2 * 16 * hidden * 4] * 5
+    assert controller.layer_token_bytes == hidden * 4
