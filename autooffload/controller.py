@@ -147,6 +147,7 @@ class OffloadController:
         self._hooks: list[Any] = []  # the post-forward hooks, and the entry modules' pre- and post-forward hooks
         self.stacks: list[Stack] = []
         self._stack_width: dict[str, float] = {}  # a stack's layer input per token, relative to layer_token_bytes
+        self._config_width: dict[str, float] = {}  # the same from the config (hidden sizes): what a new run starts with
         self._active: torch.nn.Module | None = None  # the entry whose call decided the running micro-batch
         self._attached_identity: dict[str, Any] | None = None  # the attached model's (autooffload.lifecycle)
         self._layer_bytes_guess: float | None = None  # its bytes per token of a layer input, from the config
@@ -173,6 +174,7 @@ class OffloadController:
         self.memory_bytes: int | None = None
         self.total_bytes: int | None = None
         self.layer_token_bytes: float | None = self._layer_bytes_guess if self._model is not None else None
+        self._stack_width = dict(self._config_width)  # a width learned is relative to the measured bytes just dropped
         self.pending_bytes = 0
         self.last_step_clean = True
         self._side_work = False
@@ -183,11 +185,13 @@ class OffloadController:
         self.rescuing = False
         self.last_step_rescued = False
         self._layer_tokens = 0
+        self._reported = False  # an offloaded layer's call said its input's bytes in this step
         self.peak_memory_fraction: float | None = None
         self.last_step_bytes = 0
         self.active = 0.0
         self.last_seq_len = 0
         self.last_tokens = 0
+        self.bytes_per_layer: int | None = None  # a planned layer's saved input in this micro-batch, the mean
         self._running: tuple[frozenset[int], list[float]] | None = None  # its offloaded layers, layer-tokens
         self.last_observation: Observation | None = None
         self.last_lengths: dict[str, tuple[int, int]] = {}
@@ -311,6 +315,7 @@ class OffloadController:
                 self._stack_width[stack] = nbytes / (tokens * self.layer_token_bytes)
         if self._running is not None and self.layer_token_bytes:
             self._running[1][position] = nbytes / self.layer_token_bytes
+            self._reported |= position in self._running[0]
 
     def _join_ranks(self, ready: bool) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
@@ -467,9 +472,11 @@ class OffloadController:
         if warning is not None:
             self.warn(*warning)
         reference = observe.hidden_size(model)
-        self._stack_width = {
+        self._config_width = {
             stack.name: stack.hidden / reference if stack.hidden and reference else 1.0 for stack in self.stacks
         }
+        learned = {name: width for name, width in self._stack_width.items() if name in self._config_width}
+        self._stack_width = {**self._config_width, **learned}  # learned or restored ones stay (a rebuild, a resume)
 
     def _entry_hooks(self, module: torch.nn.Module, stacks: list[Stack]) -> list[Any]:
         """A pre- and a post-forward hook on a module that a micro-batch may enter without the attached model
@@ -547,6 +554,7 @@ class OffloadController:
         self.last_lengths = dict(lengths) if lengths is not None else {s.name: (seq_len, tokens) for s in self.stacks}
         per_call, layer_tokens, order = self._layer_tokens_and_order()
         layer_bytes = self._layer_bytes(layer_tokens, order)
+        self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
         cap = self._host_cap(tokens, layer_bytes)
         decided = self._capped(self._decide(seq_len, tokens, cap, layer_bytes), cap) if self.switch.layers else 0
         if len(self.stacks) > 1:
@@ -692,7 +700,7 @@ class OffloadController:
             layers,
             memory_bytes=memory_bytes,
             total_bytes=self.total_bytes,
-            bytes_per_layer=round(sum(layer_bytes) / layers) if layer_bytes and layers else None,
+            bytes_per_layer=self.bytes_per_layer,
             layer_bytes=layer_bytes if layer_bytes and len(set(layer_bytes)) > 1 else None,
             levels=compile_levels(layers, self.settings.compile_max_switches) if self.compiled else None,
             last_step_rescued=self.last_step_rescued,
@@ -747,9 +755,8 @@ class OffloadController:
                 f"{type(self.policy).__name__} does not, so every layer recomputes",
             )
             return 0
-        per_layer = round(self.layer_token_bytes * tokens) if self.layer_token_bytes else None
         try:
-            predicted = predict(tokens, per_layer)
+            predicted = predict(tokens, self.bytes_per_layer)  # sized as the decision sized it: each stack's width
         except Exception as error:  # a user's policy must not end the run
             self.warn("keep-predict", f"{type(self.policy).__name__}.predict raised {error!r}; nothing is kept")
             return 0
@@ -848,9 +855,12 @@ class OffloadController:
         self._close_micro_batch()
         self._settle_budget()
         self.last_step_bytes = self.stats.next_step()
-        if self.last_step_bytes and self._layer_tokens and not self.rescuing:
+        # Where the layer calls said their bytes, the step's tokens are those bytes over layer_token_bytes itself:
+        # measuring it again would only fold in what the engine did not move (the stream engine's last layer, an
+        # input already moved), step after step, towards 0.
+        if self.last_step_bytes and self._layer_tokens and not self.rescuing and not self._reported:
             self.layer_token_bytes = self.last_step_bytes / self._layer_tokens
-        self._layer_tokens = 0
+        self._layer_tokens, self._reported = 0, False
         self.last_step_rescued, self.rescuing = self.rescuing, False
         self.steps_offloading += int(self._offloaded_this_step)
         self._offloaded_this_step = False
@@ -991,6 +1001,7 @@ class OffloadController:
             "memory": {"fraction": self.memory_fraction, "bytes": self.memory_bytes, "total": self.total_bytes},
             "peak_memory_fraction": self.peak_memory_fraction,
             "layer_token_bytes": self.layer_token_bytes,
+            "stack_width": dict(self._stack_width),
             "last_step_rescued": self.last_step_rescued,
             "last_step_clean": self.last_step_clean,
             "pending_bytes": self.pending_bytes,
@@ -1039,6 +1050,10 @@ class OffloadController:
         self.total_bytes = memory.get("total")
         self.peak_memory_fraction = state.get("peak_memory_fraction")
         self.layer_token_bytes = state.get("layer_token_bytes") or self.layer_token_bytes
+        widths = state.get("stack_width")
+        if isinstance(widths, dict):  # before attach every name; after, those of the planned stacks
+            known = self._config_width or widths
+            self._stack_width.update({str(name): float(width) for name, width in widths.items() if name in known})
         self.last_step_rescued = bool(state.get("last_step_rescued", False))
         self.last_step_clean = bool(state.get("last_step_clean", True))
         self.pending_bytes = int(state.get("pending_bytes") or 0)  # a checkpoint after step 0: Adam's state to come

@@ -111,13 +111,13 @@ def policy_reason(policy: Any) -> str:
     return reason if isinstance(reason, str) and reason else "policy"
 
 
-def predicted_peak(policy: Any, tokens: int, layer_token_bytes: float | None) -> float | None:
-    """The policy's predicted peak bytes for ``tokens`` with nothing offloaded; None where it has no
-    ``predict``, cannot predict yet, or its ``predict`` fails (a user's policy may have another signature)."""
+def predicted_peak(policy: Any, tokens: int, per_layer: int | None) -> float | None:
+    """The policy's predicted peak bytes for ``tokens`` with nothing offloaded, ``per_layer`` bytes of saved input
+    each; None where it has no ``predict``, cannot predict yet, or its ``predict`` fails (a user's policy may have
+    another signature)."""
     predict = getattr(policy, "predict", None)
     if not callable(predict) or tokens <= 0:
         return None
-    per_layer = round(layer_token_bytes * tokens) if layer_token_bytes else None
     try:
         value = predict(tokens, per_layer)
     except Exception:
@@ -144,7 +144,7 @@ class HistoryRecorder:
         self._micro_batches.append((seq_len, tokens, controller.level or 0, controller.reason))
         self._kept.append(controller.switch.kept if controller.switch is not None else 0)
         self._switches += int(switched)
-        predicted = predicted_peak(controller.policy, tokens, controller.layer_token_bytes)
+        predicted = predicted_peak(controller.policy, tokens, controller.bytes_per_layer)
         if predicted is not None:
             self._predicted = max(self._predicted or 0.0, predicted)
 

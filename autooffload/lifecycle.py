@@ -34,6 +34,7 @@ MEASURED = (
     "level",
     "memory",
     "layer_token_bytes",
+    "stack_width",
     "pending_bytes",
     "policy",
     "kept_model",

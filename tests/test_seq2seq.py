@@ -7,6 +7,8 @@ its convolutions' stride 2), the decoder's with the target (the labels the decod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -306,3 +308,113 @@ def test_the_next_decision_sizes_each_layer_by_what_its_first_call_took(make):
         controller.end_step()
     assert sorted(seen[1]) == sorted(inputs.values())
     assert controller.history[-1].bytes_moved == sum(inputs.values())
+
+
+def steps_with(make, resume_at=None, reset_at=None, steps=3):
+    """(the decision's layer bytes, the bytes moved) of each step of a run that offloads one layer per micro-batch:
+    the layer that frees the most. ``resume_at``: a new controller continues from the JSON of the state saved before
+    that step; ``reset_at``: the controller starts a new run there (a second ``train()``)."""
+    net = make()
+    net.gradient_checkpointing_enable()
+    net.train()
+    seen = []
+
+    class OneLayer:
+        def decide(self, observation):
+            seen.append(observation.layer_bytes)
+            return 1
+
+    controller = OffloadController(Settings(engine="sync"), probe=None, policy=OneLayer())
+    controller.attach(net)
+    generator = torch.Generator().manual_seed(0)
+    moved = []
+    for step in range(steps):
+        if step == resume_at:
+            state = json.loads(json.dumps(controller.state_dict()))
+            controller.detach()
+            controller = OffloadController(Settings(engine="sync"), probe=None, policy=OneLayer())
+            controller.load_state_dict(state)
+            controller.attach(net)
+        if step == reset_at:
+            controller.reset()
+        source = torch.randint(3, VOCAB, (BATCH, 40), generator=generator)
+        labels = torch.randint(3, VOCAB, (BATCH, 24), generator=generator)
+        net(input_ids=source, labels=labels).loss.backward()
+        controller.end_step()
+        moved.append(controller.last_step_bytes)
+    controller.detach()
+    return list(zip(seen, moved, strict=True))
+
+
+@pytest.mark.parametrize("make", [prophetnet, led], ids=["prophetnet", "led"])
+def test_a_resumed_run_sizes_each_layer_as_the_uninterrupted_one(make):
+    """What the first calls said of each stack (ProphetNet's decoder: 3 streams; LED's encoder: a padded source) is
+    part of the saved state: after a resume the same layer is offloaded and sized as without the interruption."""
+    assert steps_with(make, resume_at=2)[2] == steps_with(make)[2]
+
+
+@pytest.mark.parametrize("make", [prophetnet, led], ids=["prophetnet", "led"])
+def test_a_new_run_starts_from_the_config_as_the_first_one_did(make):
+    """reset() drops the measured bytes per token, and with them what each stack's width was measured against."""
+    assert steps_with(make, reset_at=2)[2] == steps_with(make)[0]
+
+
+def speech_to_text() -> torch.nn.Module:
+    config = transformers.Speech2TextConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        input_feat_per_channel=16,
+        input_channels=1,
+        num_conv_layers=2,
+        conv_channels=32,
+        conv_kernel_sizes=(5, 5),
+        max_source_positions=64,
+        max_target_positions=64,
+        pad_token_id=0,
+        decoder_start_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Speech2TextForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize(
+    ("make", "features"),
+    [(whisper, (BATCH, 16, WHISPER_FRAMES)), (speech_to_text, (BATCH, 45, 16))],
+    ids=["whisper", "speech_to_text"],
+)
+def test_the_first_decision_sizes_a_speech_encoders_layers_from_its_features(make, features):
+    """Before any layer call, the speech encoder's layer input is read from the features: Whisper's [batch, mels,
+    frames] over a stride-2 convolution, Speech2Text's [batch, frames, features] over two (45 -> 23 -> 12). The
+    first step's decision must size each layer as its call then takes (the conformance sweep cannot tell: its
+    arithmetic counts what the calls took)."""
+    net = make()
+    net.gradient_checkpointing_enable()
+    net.train()
+    seen, inputs = [], {}
+
+    class Spy:
+        def decide(self, observation):
+            seen.append(observation.layer_bytes or (observation.bytes_per_layer,) * observation.layers)
+            return 0
+
+    def record(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        inputs[module] = hidden.numel() * hidden.element_size()
+
+    for module in net.modules():
+        if type(module).__name__.endswith(("EncoderLayer", "DecoderLayer")):
+            module.register_forward_pre_hook(record, with_kwargs=True)
+    controller = OffloadController(Settings(engine="sync"), probe=None, policy=Spy())
+    controller.attach(net)
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(3, VOCAB, (BATCH, 24), generator=generator)
+    net(input_features=torch.randn(*features, generator=generator), labels=labels).loss.backward()
+    controller.end_step()
+    assert len(inputs) == 2 * LAYERS
+    assert sorted(seen[0]) == sorted(inputs.values())
