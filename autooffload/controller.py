@@ -147,6 +147,7 @@ class OffloadController:
         self._hooks: list[Any] = []  # the post-forward hooks, and the entry modules' pre- and post-forward hooks
         self.stacks: list[Stack] = []
         self._stack_width: dict[str, float] = {}  # a stack's layer input per token, relative to layer_token_bytes
+        self._inputless: set[int] = set()  # planned layers whose calls pass no tensor positionally: nothing moves
         self._config_width: dict[str, float] = {}  # the same from the config (hidden sizes): what a new run starts with
         self._active: torch.nn.Module | None = None  # the entry whose call decided the running micro-batch
         self._attached_identity: dict[str, Any] | None = None  # the attached model's (autooffload.lifecycle)
@@ -298,6 +299,7 @@ class OffloadController:
         if model is not None:
             install_plain(model)
 
+    @guarded("a layer call's report")
     def _on_first_call(self, position: int, nbytes: int) -> None:
         """A planned layer's first call in this micro-batch, with its input's real bytes. They replace the
         running micro-batch's estimate for that layer (what :meth:`planned_bytes` and the step's measurement
@@ -305,9 +307,20 @@ class OffloadController:
         first stack's call sets ``layer_token_bytes`` itself, in place of the config's guess."""
         if self.switch is None or position >= len(self.switch.layers):
             return
+        if nbytes == 0:
+            self._inputless.add(position)
+            target = self.switch.layers[position].target
+            self.warn(
+                "keyword-input",
+                f"{target.name or type(target.module).__name__} passes no tensor positionally to its checkpoint "
+                "(its hidden states go as a keyword argument, which torch's checkpoint does not save): none of its "
+                "input can move to host memory, so autooffload counts it as freeing nothing",
+            )
+        else:
+            self._inputless.discard(position)
         stack = self.switch.layers[position].target.stack
         tokens = self.last_lengths.get(stack, (0, 0))[1]
-        if tokens > 0:
+        if tokens > 0 and nbytes > 0:
             guessed = not (self.last_step_bytes or self.stats.total_bytes)
             if guessed and stack == self.switch.layers[0].target.stack:
                 self.layer_token_bytes = nbytes / (tokens * self._stack_width.get(stack, 1.0))
@@ -468,6 +481,7 @@ class OffloadController:
     def _plan_stacks(self, model: torch.nn.Module, targets: list) -> None:
         """The planned stacks, and each one's layer input per token relative to ``layer_token_bytes`` (its hidden
         size over the model's: an encoder and a decoder of different widths)."""
+        self._inputless = set()
         self.stacks, warning = plan_stacks(model, targets)
         if warning is not None:
             self.warn(*warning)
@@ -604,9 +618,10 @@ class OffloadController:
         assert self.switch is not None
         calls = self.switch.forward.last
         per_call = []
-        for slot in self.switch.layers:
+        for position, slot in enumerate(self.switch.layers):
             stack = slot.target.stack
-            per_call.append(self.last_lengths.get(stack, (0, 0))[1] * self._stack_width.get(stack, 1.0))
+            tokens = 0 if position in self._inputless else self.last_lengths.get(stack, (0, 0))[1]
+            per_call.append(tokens * self._stack_width.get(stack, 1.0))
         layer_tokens = [count * tokens for count, tokens in zip(calls, per_call, strict=True)]
         order = tuple(sorted(range(len(layer_tokens)), key=lambda i: -layer_tokens[i]))
         return per_call, layer_tokens, order

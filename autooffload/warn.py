@@ -24,6 +24,7 @@ ANCHORS = {
     "container-calls": "container-calls",
     "stacks-apart": "stacks-apart",
     "stack-length": "stack-length",
+    "keyword-input": "keyword-input",
     "checkpointing-off": "checkpointing-off",
     "unknown": "unknown",
     "offload-wrapper": "offload-wrapper",

@@ -20,8 +20,13 @@ encoder-decoder). Checked per type:
 
 - no exception in any run;
 - ``on``: bytes moved == the bytes of every recorded call's input == the arithmetic autooffload reports
-  (its bytes per token at attach x the offloaded layers x tokens, from its history record);
-- partial: bytes moved == the arithmetic, and equal to the inputs of that many layers (every call of each);
+  (``planned_bytes()``: each offloaded layer's calls x the bytes its first call reported);
+- ``on``, the same batch once more: what the decision sizes all planned layers at *before* that forward (each
+  stack's length read from the batch x the bytes per token its layers' calls showed) == the bytes it moves.
+  The table also shows the first decision's figure (``first guess``: the config's widths, before any layer
+  ran), which is informative only;
+- partial: bytes moved == the arithmetic, and equal to the inputs of the very layers it offloaded (every call
+  of each; the module's recorded inputs);
 - loss and every gradient bit-identical to plain checkpointing, in both runs;
 - warnings (``AutoOffloadWarning`` and the ``transformers.autooffload`` log at WARNING) are collected; a
   run that moves what it should must warn nothing, a run left on plain checkpointing must say so once.
@@ -404,6 +409,30 @@ class StepResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     logs: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    first_guess: int | None = None  # the first decision's bytes for every planned layer (the config's widths)
+    predicted: int | None = None  # the same, decided again for the same batch once the layer calls were seen
+    moved_again: int | None = None
+    offloaded: list[Any] = dataclasses.field(default_factory=list)  # the modules the partial level offloaded
+
+
+def _predicted(controller: Any) -> int | None:
+    """What the running micro-batch's decision sized all planned layers at, before the forward ran them."""
+    switch = controller.switch
+    if switch is None or controller.bytes_per_layer is None:
+        return None
+    return controller.bytes_per_layer * len(switch.layers)
+
+
+def _slot_module(slot: Any) -> Any:
+    """The module a planned layer position runs: the target itself, or a container's block ``index``."""
+    target = slot.target
+    if target.kind != "container":
+        return target.module
+    prefix = target.name + "." if target.name else ""
+    try:
+        return target.module.get_submodule(target.stack[len(prefix) :])[slot.index]
+    except Exception:  # a container laid out otherwise
+        return None
 
 
 class _Logs(logging.Handler):
@@ -462,14 +491,25 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
                 output = model(**batch)
                 loss = output.loss if getattr(output, "loss", None) is not None else output[0].float().mean()
                 loss.backward()
+            result.loss = loss.detach().clone()
+            result.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             if controller is not None:
-                result.arithmetic = controller.planned_bytes()  # with the config's width, or the first call's
+                switch = controller.switch
+                result.arithmetic = controller.planned_bytes()  # what the layer calls reported they took
+                result.first_guess = _predicted(controller)
+                if switch is not None:
+                    result.offloaded = [_slot_module(switch.layers[p]) for p in switch.order[: switch.offloaded]]
                 controller.end_step()
                 record = controller.history[-1] if controller.history else None
                 result.moved = record.bytes_moved if record is not None else controller.last_step_bytes
+                if mode == "on":  # the same batch again: what the decision predicts now, before the forward
+                    torch.manual_seed(0)
+                    output = model(**batch)
+                    result.predicted = _predicted(controller)
+                    (output.loss if getattr(output, "loss", None) is not None else output[0].float().mean()).backward()
+                    controller.end_step()
+                    result.moved_again = controller.history[-1].bytes_moved if controller.history else None
                 controller.detach()
-        result.loss = loss.detach().clone()
-        result.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         result.calls, result.per_module = recorder.calls, recorder.per_module
         result.warnings = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
         result.logs = [f"{r.levelname}: {r.getMessage()}" for r in handler.records]
@@ -560,6 +600,8 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         layers=on.layers,
         moved=on.moved,
         arithmetic=on.arithmetic,
+        first_guess=on.first_guess,
+        predicted=on.predicted,
         warnings=sorted(set(on.warnings) | set(runs["partial"].warnings if "partial" in runs else [])),
         logs=on.logs[:6],
         measured=measured,
@@ -577,9 +619,16 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         if on.moved == measured and measured > 0:
             if partial.arithmetic is None or partial.moved != round(partial.arithmetic):
                 problems.append(f"partial: moved {partial.moved} != arithmetic {partial.arithmetic}")
-            sums = _subset_sums(list(plain.per_module.values()), row["partial_level"])
-            if sums is not None and partial.moved not in sums:
-                problems.append(f"partial: moved {partial.moved} is not the input of {row['partial_level']} layers")
+            chosen = [plain.per_module.get(id(module)) for module in partial.offloaded]
+            if partial.offloaded and None not in chosen:
+                if partial.moved != sum(chosen):
+                    problems.append(
+                        f"partial: moved {partial.moved} != the inputs of the layers it offloaded, {sum(chosen)}"
+                    )
+            else:
+                sums = _subset_sums(list(plain.per_module.values()), row["partial_level"])
+                if sums is not None and partial.moved not in sums:
+                    problems.append(f"partial: moved {partial.moved} is not the input of {row['partial_level']} layers")
     warned = row["warnings"]
     if on.moved == 0 and measured > 0 and not problems:
         if len(warned) == 1 and "no checkpointed layers found" not in warned[0]:
@@ -597,6 +646,12 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             )
         if on.arithmetic is None or round(on.arithmetic) != on.moved:
             problems.append(f"on: arithmetic {on.arithmetic} != moved {on.moved}")
+        if (
+            on.predicted is None
+            or on.moved_again is None
+            or abs(on.predicted - on.moved_again) > max(on.layers or 0, 1)
+        ):
+            problems.append(f"on: decided again for the same batch, predicted {on.predicted} != moved {on.moved_again}")
         if warned and not problems:
             problems.append(f"warned while moving everything: {' | '.join(warned)}")
     if "verdict" not in row:
@@ -697,17 +752,17 @@ def write_tables(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) ->
         "",
         "Counts: " + ", ".join(f"{v} {n}" for v, n in counts.items()),
         "",
-        "| type | mapping | verdict | L | calls | measured | moved | arithmetic | partial moved | s | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| type | mapping | verdict | L | calls | measured | moved | arithmetic | first guess | predicted "
+        "| partial moved | s | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         arithmetic = r.get("arithmetic")
         reason = str(r.get("reason", "")).replace("|", "/").replace("\n", " ")[:300]
-        lines.append(
-            f"| {r['type']} | {r['mapping']} | {r['verdict']} | {r.get('layers', '')} | {r.get('calls', '')} | "
-            f"{r.get('measured', '')} | {r.get('moved', '')} | {'' if arithmetic is None else round(arithmetic)} | "
-            f"{r.get('partial_moved', '')} | {r.get('seconds', r.get('wall_seconds', ''))} | {reason} |"
-        )
+        cells = [r["type"], r["mapping"], r["verdict"], r.get("layers", ""), r.get("calls", ""), r.get("measured", "")]
+        cells += [r.get("moved", ""), "" if arithmetic is None else round(arithmetic), r.get("first_guess") or ""]
+        cells += [r.get("predicted") or "", r.get("partial_moved", ""), r.get("seconds", r.get("wall_seconds", ""))]
+        lines.append("| " + " | ".join(str(c) for c in [*cells, reason]) + " |")
     (out / "conformance.md").write_text("\n".join(lines) + "\n")
 
 

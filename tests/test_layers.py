@@ -14,7 +14,7 @@ from conftest import InOrderTrainer, dataset, training_args
 from transformers import PretrainedConfig, PreTrainedModel, TrainerCallback
 from transformers.modeling_outputs import CausalLMOutput
 
-from autooffload import AutoOffloadCallback, OffloadController, Settings
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings
 from autooffload.apply.switch import find_targets
 
 LAYERS, HIDDEN, VOCAB = 3, 32, 256
@@ -463,3 +463,37 @@ def test_a_forward_between_a_training_forward_and_its_backward_changes_neither_b
     grads, measured = grads_with_a_side_forward(build(), side, controller_args)
     assert measured == (level * 2 * layer_bytes(32), HIDDEN * 4)
     assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+
+
+class KeywordModel(RemoteModel):
+    """Calls the checkpoint function with the layer input as a keyword: torch's checkpoint does not save it."""
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        batch, seq = input_ids.shape
+        hidden = self.embed(input_ids)
+        mask = torch.full((seq, seq), -1e4).triu(1).expand(batch, 1, seq, seq).contiguous()
+        position_ids = torch.arange(seq).expand(batch, seq).contiguous()
+        for layer in self.layers:
+            hidden = self._gradient_checkpointing_func(
+                layer.__call__, hidden=hidden, mask=mask, position_ids=position_ids
+            )[0]
+        return CausalLMOutput(logits=self.head(hidden))
+
+
+def test_a_layer_input_passed_as_a_keyword_is_counted_as_freeing_nothing_with_one_warning():
+    torch.manual_seed(0)
+    net = KeywordModel(RemoteConfig())
+    net.gradient_checkpointing_enable()
+    net.train()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(net)
+    ids = torch.randint(0, VOCAB, (1, 32))
+    with pytest.warns(AutoOffloadWarning, match="passes no tensor positionally") as caught:
+        for _ in range(2):
+            net(input_ids=ids).logits.sum().backward()
+            assert controller.planned_bytes() == controller.stats.step_bytes == 0
+            controller.end_step()
+    assert len([w for w in caught if "positionally" in str(w.message)]) == 1
+    assert controller.bytes_per_layer == 0  # the second decision knew
+    assert controller.layer_token_bytes and controller.layer_token_bytes > 0
+    controller.detach()

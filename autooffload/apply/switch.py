@@ -282,7 +282,8 @@ class ForwardState:
     layer was called under grad (``counts``, since the last :meth:`take_counts`). The controller's
     pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision.
 
-    ``on_first_call(position, nbytes)``, when set, hears the bytes of each planned layer's input at its first
+    ``on_first_call(position, nbytes)``, when set, hears the bytes of each planned layer's input (its first
+    positional tensor, what :meth:`claim` hands to the engine; 0 when the call has none) at its first
     grad-enabled call after a take: the size a layer input really has (a source padded to a block size,
     ProphetNet's n-gram streams, a speech pre-net's frames), which no token count read before the forward
     says exactly."""
@@ -316,8 +317,8 @@ class ForwardState:
                 return
             if self.counts[position] == 0 and self.on_first_call is not None:
                 layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
-                if layer_input is not None and layer_input.is_floating_point():
-                    self.on_first_call(position, layer_input.numel() * layer_input.element_size())
+                nbytes = 0 if layer_input is None else layer_input.numel() * layer_input.element_size()
+                self.on_first_call(position, nbytes)
             self.counts[position] += 1
 
         return counted
