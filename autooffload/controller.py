@@ -193,6 +193,9 @@ class OffloadController:
         self.last_seq_len = 0
         self.last_tokens = 0
         self.bytes_per_layer: int | None = None  # a planned layer's saved input in this micro-batch, the mean
+        # Per planned layer (module order), what the running micro-batch's decision sized its saved inputs at, all
+        # its calls, before the forward ran them (None before any bytes per token are known).
+        self.planned_layer_bytes: tuple[int, ...] | None = None
         self._running: tuple[frozenset[int], list[float]] | None = None  # its offloaded layers, layer-tokens
         self.last_observation: Observation | None = None
         self.last_lengths: dict[str, tuple[int, int]] = {}
@@ -569,6 +572,8 @@ class OffloadController:
         per_call, layer_tokens, order = self._layer_tokens_and_order()
         layer_bytes = self._layer_bytes(layer_tokens, order)
         self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
+        ltb = self.layer_token_bytes
+        self.planned_layer_bytes = tuple(round(t * ltb) for t in layer_tokens) if ltb else None
         cap = self._host_cap(tokens, layer_bytes)
         decided = self._capped(self._decide(seq_len, tokens, cap, layer_bytes), cap) if self.switch.layers else 0
         if len(self.stacks) > 1:

@@ -416,11 +416,12 @@ class StepResult:
 
 
 def _predicted(controller: Any) -> int | None:
-    """What the running micro-batch's decision sized all planned layers at, before the forward ran them."""
-    switch = controller.switch
-    if switch is None or controller.bytes_per_layer is None:
+    """What the running micro-batch's decision sized the planned layers that ran at, before the forward ran them
+    (a layer that LayerDrop skipped in this forward is left out: no decision can know it in advance)."""
+    sizes, switch = controller.planned_layer_bytes, controller.switch
+    if sizes is None or switch is None:
         return None
-    return controller.bytes_per_layer * len(switch.layers)
+    return sum(size for size, calls in zip(sizes, switch.forward.counts, strict=True) if calls)
 
 
 def _slot_module(slot: Any) -> Any:
@@ -505,8 +506,8 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
                 if mode == "on":  # the same batch again: what the decision predicts now, before the forward
                     torch.manual_seed(0)
                     output = model(**batch)
-                    result.predicted = _predicted(controller)
                     (output.loss if getattr(output, "loss", None) is not None else output[0].float().mean()).backward()
+                    result.predicted = _predicted(controller)
                     controller.end_step()
                     result.moved_again = controller.history[-1].bytes_moved if controller.history else None
                 controller.detach()
