@@ -39,6 +39,9 @@ MISS_LIMIT = 4  # the margin grows to at most (1 + MISS_LIMIT) margins after rep
 CALM_STEPS = 16  # clean steps that kept without a miss before the margin narrows by one
 ALIVE_WINDOW = 16  # steps over which the most forwards alive together is remembered
 REACH = 2.0  # a correction at t tokens applies from t / REACH to t x REACH tokens
+# A reading above the prediction by less than this fraction of it is the prediction (a peak predicted to the byte
+# in floating point, or the all-recompute fit moving by a few bytes as it learns), not an under-prediction.
+MISS_TOLERANCE = 1e-3
 
 
 @dataclasses.dataclass
@@ -190,7 +193,7 @@ class KeepPlanner:
         forwards = sum(1 for f in group if f.keep)
         used = self.extra(tokens)
         shown = used + (reading - total) / forwards  # the bytes per kept forward this reading needed at most
-        if reading > predicted:
+        if reading > predicted * (1 + MISS_TOLERANCE):
             if used > 0:
                 self.misses = min(self.misses + 1, MISS_LIMIT)
             self.corrections[tokens] = max(self.corrections.get(tokens, 0.0), shown)
