@@ -570,10 +570,11 @@ class OffloadController:
         self.last_seq_len, self.last_tokens = seq_len, tokens
         self.last_lengths = dict(lengths) if lengths is not None else {s.name: (seq_len, tokens) for s in self.stacks}
         per_call, layer_tokens, order = self._layer_tokens_and_order()
-        layer_bytes = self._layer_bytes(layer_tokens, order)
-        self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
         ltb = self.layer_token_bytes
         self.planned_layer_bytes = tuple(round(t * ltb) for t in layer_tokens) if ltb else None
+        planned = self.planned_layer_bytes
+        layer_bytes = tuple(planned[i] for i in order) if planned is not None else None  # in offload order
+        self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
         cap = self._host_cap(tokens, layer_bytes)
         decided = self._capped(self._decide(seq_len, tokens, cap, layer_bytes), cap) if self.switch.layers else 0
         if len(self.stacks) > 1:
@@ -630,11 +631,6 @@ class OffloadController:
         layer_tokens = [count * tokens for count, tokens in zip(calls, per_call, strict=True)]
         order = tuple(sorted(range(len(layer_tokens)), key=lambda i: -layer_tokens[i]))
         return per_call, layer_tokens, order
-
-    def _layer_bytes(self, layer_tokens: list[float], order: tuple[int, ...]) -> tuple[int, ...] | None:
-        if not self.layer_token_bytes:
-            return None
-        return tuple(round(layer_tokens[i] * self.layer_token_bytes) for i in order)
 
     def planned_bytes(self) -> float | None:
         """What the running micro-batch's offloaded layers move by autooffload's arithmetic: each one's calls so

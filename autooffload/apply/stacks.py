@@ -236,9 +236,8 @@ def _shape(value: Any, stack: Stack | None = None) -> tuple[int, int] | None:
         if value.dim() < 2:
             return None
         axis = -2 if value.dim() >= 3 and value.shape[-1] == stack.features != value.shape[-2] else -1
-        frames = int(value.shape[axis])
-        seq = frames_after(frames, stack.convs)
-        return seq, seq * int(value.numel() // (frames * (value.shape[-1] if axis == -2 else value.shape[-2])))
+        seq = frames_after(int(value.shape[axis]), stack.convs)
+        return seq, seq * int(value.numel() // (value.shape[-1] * value.shape[-2]))  # x the batch
     if value.is_floating_point():  # embeddings: [batch, seq, hidden]
         if value.dim() < 2:
             return None
