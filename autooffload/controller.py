@@ -643,9 +643,9 @@ class OffloadController:
         return self.layer_token_bytes * sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
 
     def _close_micro_batch(self) -> None:
-        """The micro-batch that ran last is over: add the saved tokens of its offloaded layers that the engine
-        moved, as their calls counted them, to the step's (``end_step`` measures ``layer_token_bytes`` from them
-        and the bytes moved; the stream engine leaves the last layer's input on the device)."""
+        """The micro-batch that ran last is over: add its offloaded layers' saved tokens, as their calls counted
+        them, to the step's (``end_step`` measures ``layer_token_bytes`` from them and the bytes moved where no
+        layer call reported its bytes)."""
         if self.switch is None:
             return
         counts = self.switch.forward.take_counts()
@@ -653,8 +653,6 @@ class OffloadController:
             return
         offloaded, per_call = self._running
         self._running = None
-        if not getattr(self.switch.engine, "moves_last", True):  # an engine that says so (the stream engine)
-            offloaded = offloaded - {len(self.switch.layers) - 1}
         self._layer_tokens += sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
 
     def _host_cap(self, tokens: int, layer_bytes: tuple[int, ...] | None = None) -> int | None:

@@ -248,8 +248,6 @@ class StreamEngine:
     parameters and registered buffers are never offloaded (nor any other parameter, by its type).
     """
 
-    moves_last = False  # the last layer's input stays on the device (module docs)
-
     def __init__(
         self,
         stats: OffloadStats,
