@@ -185,7 +185,7 @@ class RemoteModel(PreTrainedModel):
         position_ids = torch.arange(seq).expand(batch, seq).contiguous()
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                hidden = self._gradient_checkpointing_func(layer.__call__, hidden, mask, position_ids)[0]
+                hidden = self.checkpointed(layer, hidden, mask, position_ids)[0]
             else:
                 hidden = layer(hidden, mask, position_ids)[0]
         logits = self.head(hidden)
@@ -193,6 +193,9 @@ class RemoteModel(PreTrainedModel):
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return CausalLMOutput(loss=loss, logits=logits)
+
+    def checkpointed(self, layer, hidden, mask, position_ids):
+        return self._gradient_checkpointing_func(layer.__call__, hidden, mask, position_ids)
 
 
 def remote_model() -> RemoteModel:
@@ -468,16 +471,8 @@ def test_a_forward_between_a_training_forward_and_its_backward_changes_neither_b
 class KeywordModel(RemoteModel):
     """Calls the checkpoint function with the layer input as a keyword: torch's checkpoint does not save it."""
 
-    def forward(self, input_ids, labels=None, **kwargs):
-        batch, seq = input_ids.shape
-        hidden = self.embed(input_ids)
-        mask = torch.full((seq, seq), -1e4).triu(1).expand(batch, 1, seq, seq).contiguous()
-        position_ids = torch.arange(seq).expand(batch, seq).contiguous()
-        for layer in self.layers:
-            hidden = self._gradient_checkpointing_func(
-                layer.__call__, hidden=hidden, mask=mask, position_ids=position_ids
-            )[0]
-        return CausalLMOutput(logits=self.head(hidden))
+    def checkpointed(self, layer, hidden, mask, position_ids):
+        return self._gradient_checkpointing_func(layer.__call__, hidden=hidden, mask=mask, position_ids=position_ids)
 
 
 def test_a_layer_input_passed_as_a_keyword_is_counted_as_freeing_nothing_with_one_warning():
