@@ -105,10 +105,7 @@ def build_model(shape: Shape, device: str, kind: str = "qwen3") -> torch.nn.Modu
         use_cache=False,
         attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config)
-    return model.to(torch.float32 if shape.dtype == "fp32" else torch.bfloat16).train()
+    return _instantiate(Qwen3ForCausalLM, config, shape, device)
 
 
 def build_jamba(shape: Shape, device: str) -> torch.nn.Module:
@@ -134,9 +131,14 @@ def build_jamba(shape: Shape, device: str) -> torch.nn.Module:
         max_position_embeddings=shape.long,
         use_cache=False,
     )
+    return _instantiate(JambaForCausalLM, config, shape, device)
+
+
+def _instantiate(model_class: type, config: Any, shape: Shape, device: str) -> torch.nn.Module:
+    """Random weights from seed 0, built on ``device``, in the shape's dtype, in training mode."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = JambaForCausalLM(config)
+        model = model_class(config)
     return model.to(torch.float32 if shape.dtype == "fp32" else torch.bfloat16).train()
 
 
