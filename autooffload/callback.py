@@ -24,11 +24,11 @@ from transformers.trainer_callback import ExportableState
 
 from . import lifecycle
 from .apply.compile_guard import is_compiled
-from .apply.paths import deepspeed_config_warning
 from .controller import OffloadController, logger
 from .decide.policy import Policy
 from .guard import guarded
 from .history import history_path, truncate_history
+from .observe.paths import deepspeed_config_warning
 from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
@@ -142,8 +142,8 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     @guarded("on_step_begin")
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        if self.controller.optimizer is None and optimizer is not None:
-            self.controller.optimizer = optimizer
+        if self.controller.memory.optimizer is None and optimizer is not None:
+            self.controller.memory.optimizer = optimizer
         self.controller.begin_step()
 
     @guarded("on_step_end")
@@ -240,7 +240,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         :class:`~autooffload.observe.probe.NvmlProbe` for why), so the metric would be the last step's
         peak. The probe kept the run's peak: put it back. The metrics dict is the one ``train()`` returns too.
         """
-        run_peaked_delta = getattr(self.controller.probe, "peaked_delta", None)
+        run_peaked_delta = getattr(self.controller.memory.probe, "peaked_delta", None)
         if PEAKED_DELTA not in logs or run_peaked_delta is None:
             return
         try:
@@ -271,8 +271,8 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         # or policy object cannot go through JSON, so take them from the instance this one replaces.
         previous = self._predecessor() if self._predecessor is not None else None
         if previous is not None and previous is not self:
-            self.controller.probe_choice = previous.controller.probe_choice
-            self.controller.policy_choice = previous.controller.policy_choice
+            self.controller.memory.choice = previous.controller.memory.choice
+            self.controller.planner.choice = previous.controller.planner.choice
         self.controller.load_state_dict(value)
 
 

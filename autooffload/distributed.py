@@ -8,10 +8,10 @@ agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` o
 negated so that MAX gives their minimum, the host-memory cap and the keep count).
 
 What a policy sees: ``decide`` gets this rank's own observation (its sequence length, its memory reading).
-When the group's level differs from what it decided, it is told through an optional method
-``agreed(observation, level)``, so that a stateful policy counts its dwell from the same switch as every
-other rank (``HysteresisPolicy`` takes the group's level as its own state). A policy without the method keeps
-its own state, and the group's level is still the maximum of the ranks' decisions.
+When the group's level differs from what it decided, the planner (:mod:`autooffload.decide.planner`) tells it
+through an optional method ``agreed(observation, level)``, so that a stateful policy counts its dwell from the
+same switch as every other rank (``HysteresisPolicy`` takes the group's level as its own state). A policy without
+the method keeps its own state, and the group's level is still the maximum of the ranks' decisions.
 
 The same collective carries each rank's host-memory cap (the most layers its budget holds), and the group
 runs the smallest: ``min(max of the levels, min of the caps)``, one level on every rank.
@@ -32,14 +32,10 @@ Data-parallel training (DDP, FSDP, ZeRO) runs the same forwards on every rank; r
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
-from .decide.policy import Observation
-
-if TYPE_CHECKING:
-    from .controller import OffloadController
 
 
 def world_size() -> int:
@@ -109,47 +105,43 @@ def every_rank(ready: bool, group: AgreementGroup) -> bool:
     return int(tensor.item()) == 0
 
 
-def agree(controller: OffloadController, level: int, cap: int | None = None) -> int:
-    """The level every rank runs for this micro-batch: the ranks' maximum, capped at the smallest rank's
-    host-memory cap (``None``: no cap), when there is a group to ask."""
-    return agree_plan(controller, level, 0, cap)[0]
+class RankAgreement:
+    """This rank's part in the agreement: the group (made at :meth:`join`), whether every rank has layers, and the
+    one collective per micro-batch. ``settings``: the run's (``sync_ranks`` and ``mode`` say whether to agree)."""
 
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.group: AgreementGroup | None = None
+        self.ranks_agree = True  # False when a rank found no layers at attach: then no rank makes collectives
 
-def agree_plan(controller: OffloadController, level: int, keep: int, cap: int | None = None) -> tuple[int, int]:
-    """The plan every rank runs: the most offload any rank asked for, capped at the smallest rank's host-memory
-    cap, and the least keep (``recompute="auto"``), in one collective, when there is a group to ask."""
-    settings = controller.settings
-    if not settings.sync_ranks or not controller.ranks_agree or settings.mode != "auto" or world_size() < 2:
-        return level, keep
-    layers = len(controller.switch.layers) if controller.switch is not None else level
-    most, least_cap, fewest_kept = all_reduce_max(
-        [level, -(layers if cap is None else cap), -keep], controller.agreement
-    )
-    agreed = min(most, -least_cap)
-    if agreed != level:
-        _tell_policy(controller, agreed)
-    return agreed, -fewest_kept
+    def join(self, ready: bool, warn: Callable[[str, str], Any]) -> None:
+        """Every rank attaches at the same point, with layers to control or not: make the side group there
+        (``new_group`` is a collective) and learn whether every rank has layers; if one has none, no rank makes
+        the per-micro-batch and end-of-training collectives, which that rank would never join."""
+        if not self.settings.sync_ranks or world_size() < 2:
+            return
+        if self.group is None:
+            self.group = AgreementGroup()
+        self.ranks_agree = every_rank(ready, self.group)
+        if not self.ranks_agree:
+            warn(
+                "ranks-without-layers",
+                "a rank has no checkpointed layers for autooffload to control, so the ranks do not agree on one "
+                "offload level: each decides alone (AUTOOFFLOAD_SYNC_RANKS=0 silences this)",
+            )
 
+    def agree(self, level: int, cap: int, keep: int, layers: int) -> tuple[int, int]:
+        """The plan every rank runs: the most offload any rank asked for, capped at the smallest rank's host-memory
+        ``cap``, and the least keep (``recompute="auto"``), in one collective, when there is a group to ask."""
+        settings = self.settings
+        if not settings.sync_ranks or not self.ranks_agree or settings.mode != "auto" or world_size() < 2:
+            return level, keep
+        most, least_cap, fewest_kept = all_reduce_max([level, -cap, -keep], self.group)
+        return min(most, -least_cap), -fewest_kept
 
-def _tell_policy(controller: OffloadController, level: int) -> None:
-    agreed = getattr(controller.policy, "agreed", None)
-    if agreed is None or controller.switch is None:
-        return
-    observation = controller.last_observation or Observation(
-        controller.step,
-        controller.last_seq_len,
-        controller.last_tokens,
-        controller.memory_fraction,
-        len(controller.switch.layers),
-    )
-    try:
-        agreed(observation, level)
-    except Exception as error:  # a user's policy must not end the run
-        controller.warn(
-            "policy-agreed",
-            f"policy {type(controller.policy).__name__}.agreed raised {error!r}; its state may differ from the "
-            "level the ranks agreed on",
-        )
+    def worst(self, fraction: float | None) -> RankPeak | None:
+        """The worst rank's peak memory fraction (a collective on every rank), where the ranks agree at all."""
+        return worst_rank(fraction, self.settings.sync_ranks and self.ranks_agree, self.group)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,20 +25,16 @@ A record (one JSON object per line, keys in this order):
 - ``layers``, ``mode``, ``seq_high``, ``seq_low``, ``memory_high``, ``memory_low``: what the decisions were
   made against.
 
-No torch and no controller import: the recorder reads the controller's attributes it is handed.
+No torch and no controller import: the recorder is handed plain values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .controller import OffloadController
+from typing import Any
 
 HISTORY_DIR = "autooffload"
 PENDING_LIMIT = 10_000
@@ -96,37 +92,6 @@ class StepRecord:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
 
-def fixed_reason(latched: bool, rescuing: bool, mode: str) -> str:
-    """The reason for a level the settings or the run's state fix, in the controller's order of precedence."""
-    if rescuing:
-        return "rescue"
-    if latched:
-        return "compile_latch"
-    return "mode_on" if mode == "on" else "mode_off"
-
-
-def policy_reason(policy: Any) -> str:
-    """The policy's ``last_reason`` where it gives one (optional for a user's policy), else ``"policy"``."""
-    reason = getattr(policy, "last_reason", None)
-    return reason if isinstance(reason, str) and reason else "policy"
-
-
-def predicted_peak(policy: Any, tokens: int, per_layer: int | None) -> float | None:
-    """The policy's predicted peak bytes for ``tokens`` with nothing offloaded, ``per_layer`` bytes of saved input
-    each; None where it has no ``predict``, cannot predict yet, or its ``predict`` fails (a user's policy may have
-    another signature)."""
-    predict = getattr(policy, "predict", None)
-    if not callable(predict) or tokens <= 0:
-        return None
-    try:
-        value = predict(tokens, per_layer)
-    except Exception:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 class HistoryRecorder:
     """Collects a step's micro-batches, closes them into a :class:`StepRecord`, and appends records to a file."""
 
@@ -134,17 +99,26 @@ class HistoryRecorder:
         self.limit = limit
         self.pending: list[StepRecord] = []
         self.dropped = 0
-        self._micro_batches: list[tuple[int, int, int, str]] = []
+        self._micro_batches: list[tuple[int, int, int, str | None]] = []
         self._kept: list[int] = []
         self._predicted: float | None = None
         self._switches = 0
 
-    def micro_batch(self, controller: OffloadController, seq_len: int, tokens: int, switched: bool) -> None:
-        """After a micro-batch's level is installed: its shape, level and reason, and the policy's prediction."""
-        self._micro_batches.append((seq_len, tokens, controller.level or 0, controller.reason))
-        self._kept.append(controller.switch.kept if controller.switch is not None else 0)
+    def micro_batch(
+        self,
+        seq_len: int,
+        tokens: int,
+        level: int,
+        reason: str | None,
+        kept: int,
+        switched: bool,
+        predicted: float | None,
+    ) -> None:
+        """After a micro-batch's plan is installed: its shape, level, reason and kept layers, and the policy's
+        predicted peak."""
+        self._micro_batches.append((seq_len, tokens, level, reason))
+        self._kept.append(kept)
         self._switches += int(switched)
-        predicted = predicted_peak(controller.policy, tokens, controller.bytes_per_layer)
         if predicted is not None:
             self._predicted = max(self._predicted or 0.0, predicted)
 
@@ -153,25 +127,34 @@ class HistoryRecorder:
         self._micro_batches.clear()
         self._kept.clear()
 
-    def end_step(self, controller: OffloadController) -> StepRecord:
-        """Close the step the controller has just ended (its ``step`` already counts it)."""
-        settings = controller.settings
+    def end_step(
+        self,
+        step: int,
+        bytes_moved: int,
+        rescued: bool,
+        memory: tuple[float | None, int | None, int | None],
+        layers: int,
+        settings: Any,
+    ) -> StepRecord:
+        """Close step ``step`` (counted as Trainer counts ``global_step``): ``memory`` is the reading (fraction,
+        bytes, device bytes), ``settings`` what the decisions were made against."""
         shapes = self._micro_batches
+        fraction, used, total = memory
         record = StepRecord(
-            step=controller.step,
+            step=step,
             seq_lens=[seq for seq, *_ in shapes],
             tokens=[tokens for _, tokens, *_ in shapes],
             offloaded=[level for *_, level, _ in shapes],
-            reasons=[reason for *_, reason in shapes],
+            reasons=[reason for *_, reason in shapes],  # type: ignore[misc]
             kept=list(self._kept) if settings.recompute == "auto" else None,
-            bytes_moved=int(controller.last_step_bytes),
+            bytes_moved=int(bytes_moved),
             switches=self._switches,
-            rescued=bool(controller.last_step_rescued),
-            memory_fraction=controller.memory_fraction,
-            memory_bytes=controller.memory_bytes,
-            total_bytes=controller.total_bytes if controller.memory_bytes is not None else None,
+            rescued=bool(rescued),
+            memory_fraction=fraction,
+            memory_bytes=used,
+            total_bytes=total if used is not None else None,
             predicted_peak_bytes=self._predicted,
-            layers=len(controller.switch.layers) if controller.switch is not None else 0,
+            layers=layers,
             mode=settings.mode,
             seq_high=settings.seq_high,
             seq_low=settings.seq_low,

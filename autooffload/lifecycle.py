@@ -13,19 +13,16 @@ it), so three rules keep one run's state out of another:
 - A fresh run starts fresh; a resumed one continues. The Trainer callback tells them apart by what Trainer did
   (:func:`resumed`), not by whether a state exists: a state is always there, its own.
 
-Nothing here imports the controller (it imports this module); the controller is passed in.
+Nothing here imports the controller (it imports this module); the controller is passed in, as an :class:`Owner`.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .controller import OffloadController
 
 logger = logging.getLogger("transformers.autooffload")
 
@@ -43,16 +40,23 @@ MEASURED = (
     "identity",
 )
 
+
+class Owner(Protocol):
+    """What this module needs of a controller: that it can hand its model over to another."""
+
+    def retire(self) -> None: ...
+
+
 _owners: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
-def owner(model: torch.nn.Module) -> OffloadController | None:
+def owner(model: torch.nn.Module) -> Owner | None:
     """The controller attached to ``model``, or None."""
     ref = _owners.get(model)
     return ref() if ref is not None else None
 
 
-def take_over(model: torch.nn.Module, controller: OffloadController) -> None:
+def take_over(model: torch.nn.Module, controller: Owner) -> None:
     """Make ``controller`` the model's one controller: the one attached before it (if another) retires."""
     previous = owner(model)
     if previous is not None and previous is not controller:
@@ -60,7 +64,7 @@ def take_over(model: torch.nn.Module, controller: OffloadController) -> None:
     _owners[model] = weakref.ref(controller)
 
 
-def let_go(model: torch.nn.Module | None, controller: OffloadController) -> None:
+def let_go(model: torch.nn.Module | None, controller: Owner) -> None:
     """``controller`` detaches from ``model``: the model has no controller any more."""
     if model is not None and owner(model) is controller:
         del _owners[model]

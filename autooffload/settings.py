@@ -111,6 +111,14 @@ class Settings:
         return dataclasses.asdict(self)
 
 
+def resolve(settings: Settings | None, **overrides: Any) -> Settings:
+    """``settings`` with ``overrides`` (``None``: not given) in force; without ``settings``, ``Settings.from_env``."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if settings is None:
+        return Settings.from_env(**given)
+    return dataclasses.replace(settings, **given) if given else settings
+
+
 def offload_mode(value: Any) -> str | None:
     """Map the ``offload`` value of the checkpointing kwargs to a mode: True -> on, False -> off, "auto" -> auto.
 

@@ -220,7 +220,7 @@ class Mode:
 
     def offloaded(self) -> bool:
         if self.controller is not None:
-            return self.controller.active > 0
+            return self.controller.record.active > 0
         return self.name == "always"
 
     def end_step(self) -> int | None:

@@ -418,7 +418,7 @@ class StepResult:
 def _predicted(controller: Any) -> int | None:
     """What the running micro-batch's decision sized the planned layers that ran at, before the forward ran them
     (a layer that LayerDrop skipped in this forward is left out: no decision can know it in advance)."""
-    sizes, switch = controller.planned_layer_bytes, controller.switch
+    sizes, switch = controller.sizes.planned_layer_bytes, controller.switch
     if sizes is None or switch is None:
         return None
     return sum(size for size, calls in zip(sizes, switch.forward.counts, strict=True) if calls)

@@ -174,7 +174,7 @@ def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, An
         if time.perf_counter() - started > budget_s:
             rows.append({"step": step, "seq": seq, "skipped": "time budget"})
             break
-        per_layer = round(controller.layer_token_bytes * seq) if controller.layer_token_bytes else None
+        per_layer = round(controller.sizes.token_bytes * seq) if controller.sizes.token_bytes else None
         predicted = predicted_peak(controller.policy, seq, per_layer)
         ids = engine_check.tokens(step, 1, seq, shape[-1], torch.device(device))
         if isinstance(probe, SyntheticProbe):
@@ -188,7 +188,7 @@ def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, An
         seconds = time.perf_counter() - began
         level = controller.switch.offloaded if controller.switch is not None else 0
         controller.end_step()
-        reading = controller.memory_bytes
+        reading = controller.memory.last.bytes
         as_if_plain = None if reading is None else reading + level * (per_layer or 0)
         row = {"step": step, "seq": seq, "predicted": predicted, "reading": reading, "offloaded_layers": level}
         row.update(as_if_plain=as_if_plain, seconds=round(seconds, 3))

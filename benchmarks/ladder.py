@@ -254,7 +254,7 @@ class Mode:
                 # The plan is made in the forward pre-hook; decide it here first, so the cache key is known.
                 self.controller.before_forward(seq, seq)
                 plan = self.plan()
-                decide, self.controller.before_forward = self.controller.before_forward, lambda s, t: 0
+                decide, self.controller.before_forward = self.controller.before_forward, lambda *call: 0
             else:
                 plan = (0, 0)
             key = (self.name, seq, *plan, autocast)

@@ -118,7 +118,7 @@ def part_fsdp2(device: str, out: Path) -> dict:
     emit(f"fsdp2: attached={attached}, {len(controller.switch.layers) if attached else 0} layers via {targets}")
     model.train()
     rows = train_loop(model, optimizer, controller, size, dtype, run_device)
-    agreement = time_agreement(all_reduce_max, controller.agreement)
+    agreement = time_agreement(all_reduce_max, controller.agreement.group)
     emit(f"fsdp2: agreement collective on {agreement['device']}: median {agreement['median_us']:.1f} us per call")
     summary = controller.finish()
     emit(f"fsdp2: {summary}")
@@ -246,7 +246,7 @@ def part_zero3(device: str, out: Path) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.start
-            seq, level = controller.last_seq_len, controller.level or 0
+            seq, level = controller.sizes.batch.seq_len, controller.level or 0
             expected = level * seq * size["hidden"] * element
             rows.append(step_row(len(rows), seq, level, controller, expected, seconds, None))
 

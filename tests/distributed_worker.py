@@ -71,8 +71,8 @@ def record_levels(controller: OffloadController) -> list[tuple[int, int]]:
     rows: list[tuple[int, int]] = []
     original = controller.before_forward
 
-    def before_forward(seq_len: int, tokens: int) -> int:
-        level = original(seq_len, tokens)
+    def before_forward(seq_len: int, tokens: int, *lengths) -> int:
+        level = original(seq_len, tokens, *lengths)
         rows.append((seq_len, level))
         return level
 
@@ -178,7 +178,7 @@ def trainer_ddp(rank: int, out: Path) -> dict:
         "collectives": calls[0],
         "parameters": parameter_digest(model),
         "summaries": [m for m in collect.messages if "step(s)" in m],
-        "worst_rank": None if controller.worst_rank is None else vars(controller.worst_rank),
+        "worst_rank": None if controller.record.worst_rank is None else vars(controller.record.worst_rank),
     }
 
 
@@ -423,7 +423,7 @@ def uneven(rank: int, out: Path) -> dict:
         "levels": levels,
         "local": policy.local,
         "collectives": calls[0],
-        "worst_rank": controller.worst_rank,
+        "worst_rank": controller.record.worst_rank,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
     }
 

@@ -53,18 +53,18 @@ def compiled_run(tmp_path, budget: int):
 
 def test_switch_takes_effect_in_a_compiled_model_within_the_budget(tmp_path):
     controller, moved = compiled_run(tmp_path, budget=4)
-    assert controller.compiled
+    assert controller.planner.compiled
     assert moved == [expected_bytes(64) if on else 0 for on in ON]
-    assert controller.switches == 6
+    assert controller.record.switches == 6
     # Each variant compiles once; switching back and forth afterwards hits dynamo's cache.
-    assert 1 <= controller.budget.spent <= 2
-    assert not controller.latched
+    assert 1 <= controller.planner.budget.spent <= 2
+    assert not controller.planner.latched
 
 
 def test_spent_budget_latches_offload_on(tmp_path):
     with pytest.warns(AutoOffloadWarning, match="COMPILE_MAX_SWITCHES=1 is spent; offload stays on"):
         controller, moved = compiled_run(tmp_path, budget=1)
-    assert controller.latched and controller.budget.spent == 1
+    assert controller.planner.latched and controller.planner.budget.spent == 1
     # Latched after the first switch compiled: every later step offloads, whatever the memory says.
     assert moved[:2] == [0, 0] and all(m == expected_bytes(64) for m in moved[2:])
 
@@ -82,9 +82,9 @@ def test_keep_under_compile_takes_allowed_levels_within_the_budget(tmp_path):
         tmp_path, [64] * 4, callbacks=[callback, Record()], torch_compile=True, torch_compile_backend="aot_eager"
     )
     controller = callback.controller
-    assert controller.compiled
+    assert controller.planner.compiled
     # From the first reading on every layer keeps (ample memory); the plan changed once, from 0 kept to 4.
     assert kept == [0, 4, 4, 4]
-    assert controller.budget.spent <= 1 and not controller.latched
-    assert controller.kept_model.samples == {}  # nothing measured under compile: the seed decided
+    assert controller.planner.budget.spent <= 1 and not controller.planner.latched
+    assert controller.planner.keep.samples == {}  # nothing measured under compile: the seed decided
     assert [h["autooffload/kept"] for h in trainer.state.log_history if "loss" in h] == [0.0, 1.0, 1.0, 1.0]

@@ -28,7 +28,7 @@ def test_custom_loop_with_attach_and_end_step():
     assert controller.attach(net)
     for seq in (64, 256, 64):
         step(net, controller, seq)
-    assert controller.step == 3 and controller.switches == 2
+    assert controller.step == 3 and controller.record.switches == 2
     assert controller.stats.total_bytes == expected_bytes(256)
 
 
@@ -49,7 +49,7 @@ def test_evaluation_forwards_are_not_micro_batches():
     controller.attach(net)
     with torch.no_grad():
         net(input_ids=torch.zeros(1, 512, dtype=torch.long))
-    assert controller.level == 0 and controller.switches == 0
+    assert controller.level == 0 and controller.record.switches == 0
 
 
 def test_an_unknown_checkpoint_function_is_left_alone_with_a_warning():
@@ -74,7 +74,7 @@ def test_inputs_embeds_count_as_tokens():
     embeds = torch.randn(2, 256, 64, requires_grad=True)
     net(inputs_embeds=embeds).logits.sum().backward()
     controller.end_step()
-    assert (controller.last_seq_len, controller.last_tokens) == (256, 512)
+    assert (controller.sizes.batch.seq_len, controller.sizes.batch.tokens) == (256, 512)
     assert controller.last_step_bytes == expected_bytes(256, batch=2)
 
 
@@ -122,11 +122,11 @@ def test_checkpointing_re_enabled_every_step_runs_as_decided(kwargs):
     for seq in (64, 96, 80, 64):
         step(net, controller, seq)
         moved.append(controller.last_step_bytes)
-        active.append(controller.active)
+        active.append(controller.record.active)
         reenable(net, kwargs)
     assert moved == [expected_bytes(s, layers=2) for s in (64, 96, 80, 64)]
-    assert active == [0.5] * 4 and controller.switches == 0
-    assert controller.reinstalls == 3  # before the forwards of steps 2, 3 and 4
+    assert active == [0.5] * 4 and controller.record.switches == 0
+    assert controller.record.reinstalls == 3  # before the forwards of steps 2, 3 and 4
 
 
 def test_checkpointing_turned_off_mid_run_reports_level_0_with_one_warning_until_it_is_back():
@@ -141,11 +141,12 @@ def test_checkpointing_turned_off_mid_run_reports_level_0_with_one_warning_until
             if index == 4:
                 net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             step(net, controller, seq)
-            rows.append((controller.active, controller.last_step_bytes, controller.metrics()["autooffload/active"]))
+            active = controller.metrics()["autooffload/active"]
+            rows.append((controller.record.active, controller.last_step_bytes, active))
     assert len([w for w in caught if issubclass(w.category, AutoOffloadWarning)]) == 1
     off = (0.0, 0, 0.0)
     assert rows == [(1.0, expected_bytes(64), 1.0), off, off, off, (1.0, expected_bytes(64), 1.0)]
-    assert controller.layer_token_bytes == expected_bytes(1) / LAYERS
+    assert controller.sizes.token_bytes == expected_bytes(1) / LAYERS
 
 
 class Recording:
@@ -198,7 +199,7 @@ class Device:
 
     def need(self):
         c = self.controller
-        return 300_000 + c.last_tokens * 3584 - c.level * c.last_tokens * 256
+        return 300_000 + c.sizes.batch.tokens * 3584 - c.level * c.sizes.batch.tokens * 256
 
     def forward_hook(self, module, args):
         if not (module.training and torch.is_grad_enabled()):
@@ -224,7 +225,7 @@ def test_a_rescued_length_is_planned_with_more_offload_than_the_one_that_failed(
     net = checkpointed_model()
     controller = OffloadController(Settings(), probe=None)
     device = Device(controller)
-    controller.probe_choice = device
+    controller.memory.choice = device
     controller.attach(net)
     net.model.norm.register_forward_pre_hook(device.forward_hook)
     rescue = Rescue(controller, net)
@@ -237,7 +238,7 @@ def test_a_rescued_length_is_planned_with_more_offload_than_the_one_that_failed(
     # Step 2 planned nothing (765,920 bytes predicted fit under 90%) and failed; the rerun offloaded every layer.
     # The reading (740,000) says less than the prediction, but the failure says the step needed the device:
     # the next steps of that length offload more than the attempt that failed, and do not fail again.
-    assert device.failures == [(2, 0)] and controller.rescues == 1
+    assert device.failures == [(2, 0)] and controller.record.rescues == 1
     assert levels[3] > 0 and levels[4] > 0
 
 
@@ -255,11 +256,11 @@ def test_side_work_before_the_steps_reset_leaves_its_reading_clean(probe_kind, c
     controller.note_side_work()
     controller.begin_step()
     controller.end_step()
-    assert controller.last_step_clean is clean
+    assert controller.memory.last.clean is clean
     controller.begin_step()
     controller.note_side_work()  # within the step, after the reset: in the reading whatever the probe
     controller.end_step()
-    assert controller.last_step_clean is False
+    assert controller.memory.last.clean is False
 
 
 class NumpyProbe:

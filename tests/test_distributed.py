@@ -78,10 +78,17 @@ def attached(settings: Settings) -> OffloadController:
     return controller
 
 
+def two_ranks(monkeypatch) -> None:
+    """Two ranks as this rank sees them, both with layers: the join at attach makes no collective."""
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)
+    monkeypatch.setattr(distributed, "every_rank", lambda ready, group: True)
+
+
 def fake_group(monkeypatch, group_level: int) -> list[int]:
     """Two ranks, the other one asking for ``group_level``; returns the values this rank sent."""
     sent: list[int] = []
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    two_ranks(monkeypatch)
 
     def group(values, group=None):
         level, *rest = values
@@ -100,7 +107,7 @@ def test_without_a_process_group_no_collective_is_made(monkeypatch):
     assert not torch.distributed.is_initialized()
     controller = attached(Settings(seq_high=200, seq_low=100))
     assert [controller.before_forward(seq, seq) for seq in (64, 256)] == [0, LAYERS]
-    assert controller.finish().endswith("0.0 MiB moved to host") and controller.worst_rank is None
+    assert controller.finish().endswith("0.0 MiB moved to host") and controller.record.worst_rank is None
 
 
 @pytest.mark.parametrize("name", ["hysteresis", "predictive"])
@@ -150,7 +157,7 @@ def test_a_policy_without_agreed_keeps_its_own_state(monkeypatch):
 
 def test_the_group_runs_the_smallest_host_cap(monkeypatch):
     sent: list[list[int]] = []
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    two_ranks(monkeypatch)
     # The other rank asks for no offload, but its host budget holds only one layer's input.
     monkeypatch.setattr(
         distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], -1, *values[2:]]
@@ -162,8 +169,8 @@ def test_the_group_runs_the_smallest_host_cap(monkeypatch):
 
 def test_summary_names_the_worst_rank():
     controller = attached(Settings(mode="on"))
-    controller.peak_memory_fraction = 0.42
-    controller.worst_rank = RankPeak(0.93, 3, 8)
+    controller.memory.peak_fraction = 0.42
+    controller.record.worst_rank = RankPeak(0.93, 3, 8)
     assert controller.summary().endswith("peak memory 0.42 of device, worst of 8 ranks: rank 3 at 0.93")
 
 

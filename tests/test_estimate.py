@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from autooffload import estimate as est
+from autooffload.estimate import machine
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _fixed_machine(monkeypatch):
     """No NVML and a known amount of host memory, so results do not depend on the machine running the tests."""
-    monkeypatch.setattr(est, "nvml_total_bytes", lambda: None)
-    monkeypatch.setattr(est, "host_available_bytes", lambda: 64 * GIB)
+    monkeypatch.setattr(machine, "nvml_total_bytes", lambda: None)
+    monkeypatch.setattr(machine, "host_available_bytes", lambda: 64 * GIB)
 
 
 def write_config(tmp_path: Path, **fields) -> Path:
@@ -90,7 +91,7 @@ def test_pinned_memory_is_one_page_rounded_buffer_per_layer_not_a_power_of_two()
 
 
 def test_ranks_per_node_check_the_node_and_the_budget_caps_the_layers(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(est, "pinnable_limit", lambda: (2 * GIB, "memlock limit, ulimit -l"))
+    monkeypatch.setattr(machine, "pinnable_limit", lambda: (2 * GIB, "memlock limit, ulimit -l"))
     monkeypatch.setenv("AUTOOFFLOAD_HOST_MEMORY", "96GiB")
     argv = [str(qwen3_8b(tmp_path)), "--seq", "131072", "--device-memory", "80", "--json"]
     one = json.loads(run(argv, capsys)[1])
@@ -137,7 +138,7 @@ def test_device_memory_defaults_to_unknown_without_nvml(capsys):
 
 
 def test_device_memory_defaults_to_nvml_when_readable(monkeypatch, capsys):
-    monkeypatch.setattr(est, "nvml_total_bytes", lambda: 141 * GIB)
+    monkeypatch.setattr(machine, "nvml_total_bytes", lambda: 141 * GIB)
     _, out, _ = run(["--layers", "2", "--hidden", "8", "--seq", "16", "--json"], capsys)
     result = json.loads(out)
     assert (result["device_memory_bytes"], result["device_memory_source"]) == (141 * GIB, "nvml")

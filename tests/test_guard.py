@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import LAYERS, expected_bytes, train
 
-import autooffload.controller as controller_module
+import autooffload.decide.planner as planner_module
+import autooffload.observe.layout as layout_module
 from autooffload import AutoOffloadCallback, AutoOffloadWarning
 from autooffload.history import HistoryRecorder
 
@@ -23,8 +24,8 @@ def boom(*args, **kwargs):
 
 
 INJECTIONS = {
-    "attach": (controller_module, "find_targets"),
-    "the pre-forward hook": (controller_module, "agree"),
+    "attach": (layout_module, "checkpointed_modules"),
+    "the pre-forward hook": (planner_module, "host_cap"),
     "end_step": (HistoryRecorder, "end_step"),
 }
 

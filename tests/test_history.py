@@ -129,7 +129,7 @@ def test_a_custom_loop_writes_its_history_and_unwritten_records_are_bounded(tmp_
         (1, ["mode_on"], LAYERS * 32 * HIDDEN * 4),
         (2, ["mode_on"], LAYERS * 48 * HIDDEN * 4),
     ]
-    controller.recorder.limit = 2
+    controller.record.history.limit = 2
     with pytest.warns(AutoOffloadWarning, match="oldest are dropped"):
         for _ in range(3):
             controller.end_step()

@@ -336,6 +336,6 @@ def test_the_stream_engine_measures_a_layer_input_from_the_layers_it_moves_and_t
             tmp_path, [64, 128], Pinning(), "stream", mode="on", host_memory=f"{5 * per_layer // 2}B"
         )
     assert [w for w in caught if issubclass(w.category, AutoOffloadWarning)] == []
-    assert callback.controller.layer_token_bytes == HIDDEN * 4
+    assert callback.controller.sizes.token_bytes == HIDDEN * 4
     assert [(level, moved) for level, moved, _ in rows] == [(4, 3 * per_layer // 2), (2, 2 * per_layer)]
     assert callback.controller.host.peak_held_bytes <= callback.controller.host.budget_bytes

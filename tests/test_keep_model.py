@@ -18,11 +18,12 @@ from test_ladder import checkpointed, ids, qwen3
 from autooffload import MemoryReading, OffloadController, Settings
 from autooffload.apply.keep import SavedBytesCounter
 from autooffload.apply.offload import OffloadStats
-from autooffload.apply.switch import CheckpointSwitch, find_targets
+from autooffload.apply.switch import CheckpointSwitch
 from autooffload.decide import ladder
 from autooffload.decide.activations import KeptLayerModel
 from autooffload.decide.keep_plan import CALM_STEPS, MISS_LIMIT, KeepPlanner
 from autooffload.demo import tiny_qwen3
+from autooffload.observe.targets import find_targets
 
 HIGH = 0.9
 STATIC = 10**6
@@ -101,7 +102,7 @@ def test_autocast_weight_casts_short_after_long_stay_under_the_budget():
     controller, kept = run(net, probe, [16, 128, 128, 16, 16, 128, 16], autocast=True)
     assert max(probe.steps) <= HIGH * total, [s / (HIGH * total) for s in probe.steps]
     assert kept[3] > 0 and kept[-1] > kept[-2]  # it keeps, more at 16 tokens than at 128
-    last = controller.kept_model.layers[-1]
+    last = controller.planner.keep.layers[-1]
     assert last.cast_bytes == 2 and last.constant == 2 * sum(
         p.numel() for p in net.model.layers[-1].parameters() if p.dim() == 2
     )
@@ -116,7 +117,7 @@ def test_two_forwards_before_one_backward_stay_under_the_budget_and_keep_goes_on
     probe = GroupProbe(STATIC, total)
     controller, kept = run(net, probe, [64] * 8, forwards=2)
     assert max(probe.steps) <= HIGH * total, [s / (HIGH * total) for s in probe.steps]
-    assert controller.kept_model.alive == 2
+    assert controller.planner.keep.alive == 2
     assert kept[-2:] == [1, 1]  # still keeping at the end: no inflated sample turned it off
 
 
@@ -143,7 +144,7 @@ def test_a_wider_last_layer_is_planned_at_its_own_cost():
     controller, kept = run(net, probe, [32, 128, 32, 128, 128, 32])
     assert max(probe.steps) <= HIGH * total, [s / (HIGH * total) for s in probe.steps]
     assert kept[2] == LAYERS and kept[-1] == LAYERS  # short micro-batches keep every layer
-    layers = controller.kept_model.layers
+    layers = controller.planner.keep.layers
     assert layers[-1].samples[(32, 32)] > 2 * layers[0].samples[(32, 32)]  # each layer measured on its own
 
 

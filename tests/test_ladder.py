@@ -15,10 +15,11 @@ from conftest import LAYERS, InOrderTrainer, dataset, expected_bytes, training_a
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, MemoryReading, OffloadController, Settings
 from autooffload.apply.keep import SavedBytesCounter
 from autooffload.apply.offload import OffloadStats
-from autooffload.apply.switch import CheckpointSwitch, find_targets
+from autooffload.apply.switch import CheckpointSwitch
 from autooffload.decide import ladder
 from autooffload.decide.activations import KeptLayerModel, LayerShape
 from autooffload.demo import tiny_qwen3
+from autooffload.observe.targets import find_targets
 
 HIDDEN = 64
 
@@ -56,7 +57,7 @@ def train_loop(net, controller, lengths, budget=None):
         losses.append(loss.item())
         if controller is not None:
             controller.end_step()
-            kept.append(controller.kept)
+            kept.append(controller.record.kept)
     return losses, kept
 
 
@@ -122,11 +123,11 @@ def test_measured_bytes_and_the_fit_across_lengths(attention):
     controller.attach(net)
     train_loop(net, controller, [64, 128, 64, 128, 96, 64])
     # Measured once per length and layer, where it kept (every layer here): the layers are alike.
-    every = controller.kept_model.samples
+    every = controller.planner.keep.samples
     assert set(every) == {(i, t, t) for i in range(LAYERS) for t in (64, 128, 96)}
     assert len({every[(i, 96, 96)] for i in range(LAYERS)}) == 1
-    samples = controller.kept_model.layers[-1].samples
-    shape = controller.kept_model.layers[-1].seed
+    samples = controller.planner.keep.layers[-1].samples
+    shape = controller.planner.keep.layers[-1].seed
     if attention == "sdpa":
         # fp32, SDPA on a CPU: linear in tokens, and the seed's arithmetic is the count (4.52.4) or one
         # hidden-sized tensor per token above it (5.23 saves one less).
@@ -278,7 +279,7 @@ def test_without_a_reading_auto_behaves_as_always():
         controller = OffloadController(Settings(recompute=recompute, seq_high=200, seq_low=100), probe=None)
         controller.attach(net)
         losses, kept = train_loop(net, controller, lengths)
-        runs[recompute] = (losses, kept, controller.stats.total_bytes, controller.switches)
+        runs[recompute] = (losses, kept, controller.stats.total_bytes, controller.record.switches)
     assert runs["auto"] == runs["always"]
     assert runs["auto"][1] == [0.0] * 4 and runs["auto"][2] >= expected_bytes(256)
 
@@ -295,7 +296,7 @@ def test_trainer_logs_the_kept_fraction_and_the_policy_sees_the_peak_as_if_all_r
     trainer.train()
     kept = [h["autooffload/kept"] for h in trainer.state.log_history if "loss" in h]
     assert kept == [0.0, 1.0, 1.0, 1.0]
-    kept_bytes = callback.controller.kept_model.kept_bytes(LAYERS, 64, 64)
+    kept_bytes = callback.controller.planner.keep.kept_bytes(LAYERS, 64, 64)
     assert seen == [None, 10**7, 10**7 - kept_bytes, 10**7 - kept_bytes]
 
 
@@ -314,7 +315,7 @@ def test_keep_is_off_while_offloading_rescuing_or_in_fixed_modes():
         fixed = OffloadController(Settings(recompute="auto", mode=mode), probe=Ample())
         fixed.attach(checkpointed(qwen3(dropout=0.0)))
         fixed.end_step()
-        fixed.kept_model.longest_read_tokens = 64
+        fixed.planner.keep.longest_read_tokens = 64
         fixed.before_forward(64, 64)
         assert fixed.switch.kept == 0
 
@@ -336,6 +337,8 @@ def test_ranks_agree_on_the_most_offload_and_the_least_keep(monkeypatch):
 
     sent = []
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)  # the join at attach: both ranks have layers
+    monkeypatch.setattr(distributed, "every_rank", lambda ready, group: True)
     # The other rank asks for one kept layer; values are [offload, -host cap, -keep].
     monkeypatch.setattr(
         distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], values[1], -1]
@@ -358,8 +361,9 @@ def test_the_measured_model_is_in_the_saved_state():
     resumed = OffloadController(Settings(recompute="auto"), probe=Ample())
     resumed.load_state_dict(state)
     resumed.attach(checkpointed(qwen3(dropout=0.0)))
-    assert resumed.kept_model.samples == controller.kept_model.samples and (3, 64, 64) in resumed.kept_model.samples
-    assert resumed.kept_model.longest_read_tokens == 64
+    samples = resumed.planner.keep.samples
+    assert samples == controller.planner.keep.samples and (3, 64, 64) in samples
+    assert resumed.planner.keep.longest_read_tokens == 64
     # The last reading is in the state too: the first micro-batch after the resume keeps, as the uninterrupted
     # run's would, and measures nothing again.
     resumed.before_forward(64, 64)
@@ -404,12 +408,12 @@ def test_keep_survives_a_trainer_that_disables_and_reenables_checkpointing():
     controller = OffloadController(Settings(recompute="auto"), probe=Ample())
     controller.attach(net)
     train_loop(net, controller, [64, 64])
-    samples = dict(controller.kept_model.samples)
+    samples = dict(controller.planner.keep.samples)
     net.gradient_checkpointing_disable()  # what TRL's reference forward does on every step
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _, kept = train_loop(net, controller, [64])
-    assert kept == [1.0] and controller.reinstalls == 1
-    assert controller.kept_model.samples == samples  # nothing measured again
+    assert kept == [1.0] and controller.record.reinstalls == 1
+    assert controller.planner.keep.samples == samples  # nothing measured again
     functions = {layer._gradient_checkpointing_func.__name__ for layer in net.model.layers}
     assert functions == {"checkpoint_keep"}
 
@@ -430,12 +434,12 @@ def test_a_resumed_trainer_run_keeps_as_the_uninterrupted_one(tmp_path):
     trainer(tmp_path / "run", 3, first, save_strategy="steps", save_steps=3).train()
     second = AutoOffloadCallback(recompute="auto", probe=Ample())
     measured = []
-    second.controller.kept_model.add = lambda *sample: measured.append(sample)
+    second.controller.planner.keep.add = lambda *sample: measured.append(sample)
     resumed = trainer(tmp_path / "run", 5, second, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     assert kept_logs(resumed) == kept_logs(uninterrupted) == [0.0, 1.0, 1.0, 1.0, 1.0]
     # The measured model came with the checkpoint: nothing is measured again.
-    assert second.controller.kept_model.samples == first.controller.kept_model.samples != {} and measured == []
+    assert second.controller.planner.keep.samples == first.controller.planner.keep.samples != {} and measured == []
 
 
 def test_the_history_records_the_kept_layers_per_micro_batch():
@@ -443,4 +447,4 @@ def test_the_history_records_the_kept_layers_per_micro_batch():
     controller = OffloadController(Settings(recompute="auto"), probe=Ample())
     controller.attach(net)
     train_loop(net, controller, [64, 64])
-    assert [record.kept for record in controller.recorder.pending] == [[0], [LAYERS]]
+    assert [record.kept for record in controller.record.history.pending] == [[0], [LAYERS]]

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig, PreTrainedModel, TrainerCallback
 from transformers.modeling_outputs import CausalLMOutput
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings
-from autooffload.apply.switch import find_targets
+from autooffload.observe.targets import find_targets
 
 LAYERS, HIDDEN, VOCAB = 3, 32, 256
 LENGTHS = [48, 64]
@@ -126,7 +126,7 @@ def test_policies_see_the_containers_layers_and_the_bytes_of_one(tmp_path):
     net.train()
     controller = OffloadController(Settings(), probe=None, policy=Spy())
     controller.attach(net)
-    assert controller.layer_token_bytes == HIDDEN * 4
+    assert controller.sizes.token_bytes == HIDDEN * 4
     for seq in (64, 32):
         ids = torch.randint(0, VOCAB, (2, seq))
         net(input_ids=ids, labels=ids).loss.backward()
@@ -390,7 +390,7 @@ def test_a_vlm_first_guess_of_bytes_per_layer_uses_the_text_config():
     net.train()
     controller = OffloadController(Settings(), probe=None)
     controller.attach(net)
-    assert controller.layer_token_bytes == HIDDEN * 4
+    assert controller.sizes.token_bytes == HIDDEN * 4
     assert len(controller.switch.layers) == LAYERS
     controller.detach()
 
@@ -449,7 +449,7 @@ def grads_with_a_side_forward(net: torch.nn.Module, side: str, controller_args: 
         return [p.grad for p in net.parameters()], None
     controller.end_step()
     controller.detach()
-    return [p.grad for p in net.parameters()], (controller.last_step_bytes, controller.layer_token_bytes)
+    return [p.grad for p in net.parameters()], (controller.last_step_bytes, controller.sizes.token_bytes)
 
 
 @pytest.mark.parametrize("build", [remote_model, qwen3])
@@ -489,6 +489,6 @@ def test_a_layer_input_passed_as_a_keyword_is_counted_as_freeing_nothing_with_on
             assert controller.planned_bytes() == controller.stats.step_bytes == 0
             controller.end_step()
     assert len([w for w in caught if "positionally" in str(w.message)]) == 1
-    assert controller.bytes_per_layer == 0  # the second decision knew
-    assert controller.layer_token_bytes and controller.layer_token_bytes > 0
+    assert controller.sizes.bytes_per_layer == 0  # the second decision knew
+    assert controller.sizes.token_bytes and controller.sizes.token_bytes > 0
     controller.detach()

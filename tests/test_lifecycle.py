@@ -4,6 +4,7 @@ controller, a failed train() leaves nothing behind, and nothing outlives the tra
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import weakref
 
@@ -20,6 +21,7 @@ from autooffload import (
     SettingsError,
     attach,
 )
+from autooffload.apply.hooks import ForwardHooks
 from autooffload.history import history_path, read_history
 
 LOGGER = "transformers.autooffload"
@@ -49,7 +51,7 @@ def test_a_second_fresh_train_starts_from_step_1_with_no_dwell(tmp_path):
     second = decisions(tmp_path)
     assert [step for step, *_ in first] == [step for step, *_ in second] == [1, 2, 3]
     assert second == first == [(1, [0], ["below_high"], None), (2, [4], ["seq_high"], None), (3, [4], ["dwell"], None)]
-    assert callback.controller.step == 3 and callback.controller.switches == 1
+    assert callback.controller.step == 3 and callback.controller.record.switches == 1
     assert callback.controller.stats.total_bytes == expected_bytes(256) + expected_bytes(64)
 
 
@@ -69,7 +71,7 @@ def test_a_callback_reused_on_another_model_measures_that_model(tmp_path):
     new = run(tmp_path / "c", AutoOffloadCallback(recompute="auto", probe=ScriptedProbe([0.3])), 256)
     assert big[0][3] == [0]
     assert big == new
-    assert reused.controller.layer_token_bytes == 256 * 4  # the new model's, fp32
+    assert reused.controller.sizes.token_bytes == 256 * 4  # the new model's, fp32
 
 
 # ---- measurements stay with their model ---------------------------------------------------------------
@@ -123,7 +125,7 @@ def test_a_state_restored_into_another_model_drops_its_measurements(caplog, chan
     # The run's counters stay; what was measured on the other model is gone.
     assert controller.step == 2 and controller.stats.total_bytes == state["total_bytes"]
     assert controller.memory_fraction is None and controller.policy.state_dict()["samples"] == []
-    assert controller.layer_token_bytes == build.get("hidden", 64) * (2 if dtype else 4)  # from the config
+    assert controller.sizes.token_bytes == build.get("hidden", 64) * (2 if dtype else 4)  # from the config
     assert controller.identity["layers"] == len(controller.switch.layers)
 
 
@@ -135,7 +137,7 @@ def test_a_state_restored_before_attach_is_checked_at_attach(caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         controller.attach(checkpointed(hidden=128))
     assert sum("another model" in r.getMessage() for r in caplog.records) == 1
-    assert controller.step == 2 and controller.memory_fraction is None and controller.layer_token_bytes == 128 * 4
+    assert controller.step == 2 and controller.memory_fraction is None and controller.sizes.token_bytes == 128 * 4
 
 
 def test_a_state_restored_into_the_same_model_keeps_everything(caplog):
@@ -183,7 +185,10 @@ class FailingTrainer(InOrderTrainer):
 
 
 def hooks_of(net):
-    return [h for h in net._forward_pre_hooks.values() if isinstance(getattr(h, "__self__", None), OffloadController)]
+    """The controllers whose pre-forward hooks are on ``net``, one per hook."""
+    hooks = [inspect.unwrap(h) for h in net._forward_pre_hooks.values()]
+    cells = [c.cell_contents for h in hooks for c in getattr(h, "__closure__", None) or ()]
+    return [c._enter.__self__ for c in cells if isinstance(c, ForwardHooks)]
 
 
 def checkpoint_functions(net):
@@ -214,13 +219,13 @@ def test_a_failed_train_leaves_one_controller_for_the_next_run(tmp_path, through
     class Bytes(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             moved.append(second.controller.last_step_bytes)
-            assert [hook.__self__ for hook in hooks_of(net)] == [second.controller]
+            assert hooks_of(net) == [second.controller]
 
     trainer.add_callback(Bytes())
     trainer.train()
     assert moved == [expected_bytes(s) for s in lengths]
-    assert failed.controller.switch is None and failed.controller.reinstalls == 0
-    assert second.controller.reinstalls == 0
+    assert failed.controller.switch is None and failed.controller.record.reinstalls == 0
+    assert second.controller.record.reinstalls == 0
     assert hooks_of(net) == []  # detached at the end of training
     assert all(getattr(f, "_autooffload_original", None) is not None for f in checkpoint_functions(net))
 
@@ -232,11 +237,11 @@ def test_attaching_a_second_controller_retires_the_first():
     first.attach(net)
     second = OffloadController(Settings(mode="on"), probe=None)
     second.attach(net)
-    assert [hook.__self__ for hook in hooks_of(net)] == [second] and first.switch is None
+    assert hooks_of(net) == [second] and first.switch is None
     ids = torch.randint(0, 256, (1, 64))
     net(input_ids=ids, labels=ids).loss.backward()
     second.end_step()
-    assert second.last_step_bytes == expected_bytes(64) and second.reinstalls == 0 and first.step == 0
+    assert second.last_step_bytes == expected_bytes(64) and second.record.reinstalls == 0 and first.step == 0
     second.detach(restore=True)
     assert checkpoint_functions(net) == originals and hooks_of(net) == []
 
@@ -257,7 +262,7 @@ def test_the_callback_holds_neither_the_model_nor_the_optimizer_after_training(t
     del trainer
     gc.collect()
     alive = [name for name, ref in refs.items() if ref() is not None]
-    assert alive == [] and callback.controller.optimizer is None
+    assert alive == [] and callback.controller.memory.optimizer is None
 
 
 # ---- the controller's arguments ----------------------------------------------------------------------

@@ -35,8 +35,8 @@ class ArithmeticProbe:
     def watch(self, controller: OffloadController) -> None:
         decide = controller.before_forward
 
-        def before_forward(seq_len: int, tokens: int) -> int:
-            level = decide(seq_len, tokens)
+        def before_forward(seq_len: int, tokens: int, *lengths) -> int:
+            level = decide(seq_len, tokens, *lengths)
             self.micro_batches.append((tokens, level))
             self.decisions.append((seq_len, level))
             return level
@@ -82,7 +82,7 @@ def test_a_long_micro_batch_gets_the_predicted_layers_in_its_own_forward(tmp_pat
     long_step = lengths.index(512) // accumulation
     assert moved[long_step] == expected_bytes(512, layers=predicted)
     assert sum(moved) == moved[long_step] + moved[1 // accumulation]
-    assert callback.controller.layer_token_bytes == PER_TOKEN
+    assert callback.controller.sizes.token_bytes == PER_TOKEN
 
 
 def test_the_controller_passes_the_compile_levels_and_the_bytes_per_layer():

@@ -11,7 +11,7 @@ import torch
 from conftest import LAYERS, expected_bytes, model
 
 from autooffload import AutoOffloadWarning, OffloadController, Settings
-from autooffload.apply.paths import deepspeed_config_warning
+from autooffload.observe.paths import deepspeed_config_warning
 
 wrapping = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
 PREFIX = wrapping._CHECKPOINT_PREFIX

@@ -91,7 +91,7 @@ def test_a_rescued_step_gives_the_losses_and_parameters_of_a_run_that_never_fail
     injector = Injector(at=FAIL_AT)
     trainer, net, callback, moved = run(tmp_path / "rescued", injector, where)
 
-    assert len(injector.errors) == 1 and callback.controller.rescues == 1
+    assert len(injector.errors) == 1 and callback.controller.record.rescues == 1
     assert losses(trainer) == losses(reference)
     for (name, a), (_, b) in zip(net.named_parameters(), reference_net.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -166,7 +166,7 @@ def test_custom_loop_rescue_matches_a_loop_that_never_failed():
     reference, reference_losses, _ = loop(None)
     injector = Injector(at=2)  # the backward of step 0's second micro-batch
     rescued, rescued_losses, controller = loop(injector)
-    assert len(injector.errors) == 1 and controller.rescues == 1
+    assert len(injector.errors) == 1 and controller.record.rescues == 1
     assert rescued_losses == reference_losses
     for (name, a), (_, b) in zip(rescued.named_parameters(), reference.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -230,7 +230,7 @@ def test_no_rescue_under_deepspeed_or_fsdp_with_one_warning(tmp_path, engine):
     setattr(trainer, engine, False)  # there is no DeepSpeed or FSDP on this CPU: train plainly
     with pytest.raises(torch.OutOfMemoryError) as raised:
         trainer.train()
-    assert raised.value is injector.errors[0] and callback.controller.rescues == 0
+    assert raised.value is injector.errors[0] and callback.controller.record.rescues == 0
 
 
 def test_a_model_wrapped_in_an_engine_at_the_first_step_is_not_rescued(tmp_path):
@@ -258,5 +258,5 @@ def test_a_model_wrapped_in_an_engine_at_the_first_step_is_not_rescued(tmp_path)
     with_rescue(trainer, controller)
     with pytest.raises(torch.OutOfMemoryError) as raised:
         trainer.training_step(FullyShardedDataParallel(net), {})
-    assert raised.value is errors[0] and len(errors) == 1 and controller.rescues == 0
+    assert raised.value is errors[0] and len(errors) == 1 and controller.record.rescues == 0
     assert any("no rescue: under FSDP" in note for note in raised.value.__notes__)

@@ -17,8 +17,8 @@ from torch.utils.data import SequentialSampler
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings
-from autooffload.apply.stacks import plan_stacks
-from autooffload.apply.switch import find_targets
+from autooffload.observe.stacks import plan_stacks
+from autooffload.observe.targets import find_targets
 
 LAYERS, HIDDEN, VOCAB, BATCH = 3, 64, 256, 2
 # (source, target) per optimizer step: the encoder's layers free the most on the first, the decoder's on the second.
@@ -122,7 +122,7 @@ class Record(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append((self.controller.level, self.controller.last_step_bytes))
         self.layers = len(self.controller.switch.layers)
-        self.roles = [stack.role for stack in self.controller.stacks]
+        self.roles = [stack.role for stack in self.controller.layout.stacks]
 
 
 class Fixed:
@@ -232,7 +232,7 @@ def test_a_call_to_the_base_model_alone_is_decided_with_both_lengths():
     out = net.model(input_ids=source, decoder_input_ids=target)
     out.last_hidden_state.sum().backward()
     controller.end_step()
-    assert controller.last_lengths == {
+    assert controller.sizes.batch.lengths == {
         "model.encoder.layers": (40, BATCH * 40),
         "model.decoder.layers": (24, BATCH * 24),
     }

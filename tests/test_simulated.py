@@ -72,7 +72,7 @@ def test_offloaded_inputs_leave_the_simulated_device_exactly():
         controller.begin_step()
         net(input_ids=ids, labels=ids).loss.backward()
         controller.end_step()
-        used[mode] = controller.memory_bytes
+        used[mode] = controller.memory.last.bytes
         controller.detach()
         net.zero_grad(set_to_none=True)
     assert used["off"] - used["on"] == LAYERS * seq * HIDDEN * 4
@@ -113,4 +113,4 @@ def test_a_probe_that_cannot_watch_the_model_is_dropped_with_one_warning():
     ids = torch.randint(0, VOCAB, (1, 32))
     net(input_ids=ids, labels=ids).loss.backward()
     controller.end_step()
-    assert controller.probe is None and controller.memory_fraction is None
+    assert controller.memory.probe is None and controller.memory_fraction is None

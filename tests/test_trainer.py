@@ -21,7 +21,7 @@ class StepRecorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         c = self.controller
-        self.rows.append((c.last_seq_len, c.active, c.last_step_bytes))
+        self.rows.append((c.sizes.batch.seq_len, c.record.active, c.last_step_bytes))
 
 
 def run_with(tmp_path, lengths, callback, **kwargs):
@@ -60,7 +60,7 @@ def test_sequence_trigger_switches_on_the_right_micro_batches(tmp_path):
     assert [moved for *_, moved in rows] == [
         expected_bytes(s) if on else 0 for s, on in zip(lengths, expected_on, strict=True)
     ]
-    assert callback.controller.switches == 4
+    assert callback.controller.record.switches == 4
 
 
 def test_decision_is_per_micro_batch_with_gradient_accumulation(tmp_path):
@@ -68,8 +68,8 @@ def test_decision_is_per_micro_batch_with_gradient_accumulation(tmp_path):
     decisions = []
     original = callback.controller.before_forward
 
-    def spy(seq_len, tokens):
-        level = original(seq_len, tokens)
+    def spy(seq_len, tokens, *lengths):
+        level = original(seq_len, tokens, *lengths)
         decisions.append((seq_len, level))
         return level
 
@@ -148,7 +148,7 @@ def test_failing_probe_mid_run_warns_once_and_training_goes_on(tmp_path):
     callback = AutoOffloadCallback(probe=Flaky())
     with pytest.warns(AutoOffloadWarning, match="memory reading failed"):
         trainer, _ = train(tmp_path, [64] * 4, callbacks=[callback])
-    assert trainer.state.global_step == 4 and callback.controller.probe is None
+    assert trainer.state.global_step == 4 and callback.controller.memory.probe is None
 
 
 def test_nothing_checkpointed_warns_with_the_way_to_enable_it(tmp_path):
@@ -266,7 +266,7 @@ def test_without_the_callback_auto_is_not_autooffloads_business(tmp_path):
     import transformers
     from packaging.version import Version
 
-    from autooffload.apply.paths import describe
+    from autooffload.observe.paths import describe
 
     native_offload = Version(transformers.__version__) >= Version("5.17")
     if not (native_offload and native_offload_runs()):

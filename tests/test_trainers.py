@@ -59,7 +59,7 @@ class Steps(TrainerCallback):
             self._tokens += kwargs.get("input_ids", args[0] if args else None).numel()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.rows.append((self._tokens, self.controller.active, self.controller.last_step_bytes))
+        self.rows.append((self._tokens, self.controller.record.active, self.controller.last_step_bytes))
         self._tokens = 0
 
 

@@ -36,7 +36,7 @@ def test_the_seed_counts_every_stream_of_a_hyper_connection_layer():
     net = AutoModelForCausalLM.from_config(config)
     net.gradient_checkpointing_enable()
     controller.attach(net)
-    assert controller.layer_token_bytes == config.hc_mult * 64 * 4
+    assert controller.sizes.token_bytes == config.hc_mult * 64 * 4
 
 
 def test_the_first_layer_call_gives_the_width_the_config_does_not():
@@ -45,10 +45,10 @@ def test_the_first_layer_call_gives_the_width_the_config_does_not():
     net.config.hidden_size = HIDDEN // 2  # the config says less than the layers take
     controller = OffloadController(Settings(mode="off"), probe=None)
     controller.attach(net)
-    assert controller.layer_token_bytes == HIDDEN // 2 * 4
+    assert controller.sizes.token_bytes == HIDDEN // 2 * 4
     net.train()
     net(input_ids=torch.zeros(2, 16, dtype=torch.long), labels=torch.zeros(2, 16, dtype=torch.long)).loss.backward()
-    assert controller.layer_token_bytes == HIDDEN * 4  # before any offload measured it
+    assert controller.sizes.token_bytes == HIDDEN * 4  # before any offload measured it
 
 
 def test_the_keep_plan_and_the_history_size_a_layer_as_the_decision_does():
@@ -124,4 +124,4 @@ def test_bytes_per_layer_stay_what_the_layer_calls_say_when_less_moves(engine):
     hidden = net.config.hidden_size
     assert 0 < controller.last_step_bytes < len(controller.switch.layers) * 2 * 16 * hidden * 4
     assert sizes[1:] == [2 * 16 * hidden * 4] * 5
-    assert controller.layer_token_bytes == hidden * 4
+    assert controller.sizes.token_bytes == hidden * 4

@@ -215,6 +215,11 @@ class HostMemory:
                 return None
             return self._new(size, device)
 
+    def set_budget(self, setting: str) -> None:
+        """This process's share of the node's budget (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``), unless one is set."""
+        if self.budget_bytes is None:
+            self.budget_bytes = node_budget(setting) // ranks_per_node()
+
     def give(self, buffer: HostBuffer) -> None:
         """Return a buffer; only later copies on its device's stream may touch it (the caller's rule)."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""Apply, part 3: the keep rung, a checkpointed layer run without checkpointing, and the count of what it keeps.
+"""Apply: the keep rung, a checkpointed layer run without checkpointing, and the count of what it keeps.
 
 The keep function sits where the checkpoint function was and calls the layer directly:
 ``function(*args, **kwargs)``, where ``function`` is what the checkpointed module hands its checkpoint
@@ -23,79 +23,12 @@ trainable parameter that fires once its gradient is accumulated, once per backwa
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-
-def _outer_hooks() -> tuple[Callable, Callable] | None:
-    """The saved-tensor hooks in force around this call (torch >= 2.5 exposes them), or None."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    try:
-        return top(False)
-    except Exception:  # a signature this torch does not have
-        return None
-
-
-def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
-    for value in values:
-        if torch.is_tensor(value):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            yield from _tensors(value)
-        elif isinstance(value, dict):
-            yield from _tensors(value.values())
-        elif isinstance(value, functools.partial):
-            yield from _tensors((value.args, value.keywords))
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-    try:
-        return tensor.device, tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, some subclasses)
-        return None
-
-
-class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of distinct storages saved for backward inside the block, less ``excluded`` ones;
-    every tensor is passed through to the hooks around the block (or kept as it is).
-
-    ``hold``: keep the counted tensors alive until the block ends. Where the hooks around do not keep what
-    they are given (a checkpoint's), a freed tensor's address can come back for a later one, which would then
-    look counted already."""
-
-    def __init__(self, excluded: set[tuple[torch.device, int]], hold: bool = False) -> None:
-        self.bytes = 0
-        self.held: list[torch.Tensor] = []
-        seen = set(excluded)
-        outer = _outer_hooks()
-        outer_pack, outer_unpack = outer if outer is not None else (None, None)
-
-        def pack(tensor: torch.Tensor) -> Any:
-            key = _storage_key(tensor)
-            if key is not None and key not in seen:
-                seen.add(key)
-                self.bytes += tensor.untyped_storage().nbytes()
-                if hold:
-                    self.held.append(tensor)
-            return outer_pack(tensor) if outer_pack is not None else tensor
-
-        def unpack(packed: Any) -> torch.Tensor:
-            return outer_unpack(packed) if outer_unpack is not None else packed
-
-        super().__init__(pack, unpack)
-
-    def __enter__(self) -> SavedBytesCounter:
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self.held = []
+from ..observe.saved import SavedBytesCounter, storage_key, tensors_in
 
 
 def keep_function() -> Callable[..., Any]:
@@ -114,8 +47,8 @@ def measuring_keep_function(
     inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run."""
 
     def checkpoint_keep_measured(function, *args, **call_kwargs):
-        tensors = list(_tensors((function, args, call_kwargs)))
-        inputs = {key for key in map(_storage_key, tensors) if key is not None}
+        tensors = list(tensors_in((function, args, call_kwargs)))
+        inputs = {key for key in map(storage_key, tensors) if key is not None}
         counter = SavedBytesCounter(excluded() | inputs)
         with counter:
             output = function(*args, **call_kwargs)
@@ -135,8 +68,8 @@ def measuring_plain_function(
     cost is then known before it is ever kept."""
 
     def checkpoint_plain_measured(function, *args, **call_kwargs):
-        tensors = list(_tensors((function, args, call_kwargs)))
-        inputs = {key for key in map(_storage_key, tensors) if key is not None}
+        tensors = list(tensors_in((function, args, call_kwargs)))
+        inputs = {key for key in map(storage_key, tensors) if key is not None}
         done = []
 
         def counted(*inner_args, **inner_kwargs):
@@ -164,13 +97,6 @@ def autocast_bytes(device_type: str) -> int:
         return 0
 
 
-def matrix_weights(module: torch.nn.Module, calls: int = 1) -> int:
-    """Elements of the module's floating-point parameters of two or more dimensions (what autocast casts for
-    its matmuls), per call when a container module runs ``calls`` layers."""
-    count = sum(p.numel() for p in module.parameters() if p.is_floating_point() and p.dim() >= 2)
-    return count // max(calls, 1)
-
-
 def count_backwards(model: torch.nn.Module, on_backward: Callable[[], None]) -> Any:
     """Call ``on_backward()`` once per backward that reaches the model's last trainable parameter (a hook fired
     after its gradient is accumulated); returns the hook's handle, or None when nothing is trainable."""
@@ -181,14 +107,3 @@ def count_backwards(model: torch.nn.Module, on_backward: Callable[[], None]) -> 
         return trainable[-1].register_post_accumulate_grad_hook(lambda parameter: on_backward())
     except (RuntimeError, AttributeError):  # a parameter kind without the hook
         return None
-
-
-def parameter_storages(modules: Iterable[torch.nn.Module]) -> set[tuple[torch.device, int]]:
-    """Storages of the modules' parameters and buffers: saved by a layer's operations, alive anyway."""
-    keys = set()
-    for module in modules:
-        for tensor in (*module.parameters(), *module.buffers()):
-            key = _storage_key(tensor)
-            if key is not None:
-                keys.add(key)
-    return keys

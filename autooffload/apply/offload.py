@@ -1,4 +1,4 @@
-"""Apply, part 1: the saved-tensor hooks that move checkpointed inputs to host memory and back.
+"""Apply: the saved-tensor hooks that move checkpointed inputs to host memory and back.
 
 ``save_on_cpu(pin_memory=True)`` semantics, with three differences that matter in a training run:
 
@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
 
 
@@ -50,15 +51,6 @@ class _Loan:
 
     def __del__(self) -> None:
         self.host.give(self.buffer)
-
-
-def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-    """Which storage a tensor views; compared only while both tensors are alive. None for a tensor whose storage
-    cannot be read (a wrapper subclass, such as the DTensor parameters of an FSDP2-sharded model)."""
-    try:
-        return tensor.device, tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):

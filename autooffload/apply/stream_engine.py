@@ -63,8 +63,9 @@ from typing import Any
 
 import torch
 
+from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
-from .offload import OffloadStats, storage_key
+from .offload import OffloadStats
 
 MIN_BYTES = 1024
 

@@ -1,1 +1,2 @@
-"""Observe: what the device holds at its fullest in a step (the memory probes)."""
+"""Observe: what the model is (its checkpointed layers, stacks and sizes), what each micro-batch runs, and what
+the device holds."""

@@ -1,4 +1,4 @@
-"""Observe, part 2: what the model and the optimizer say about sizes, read once at attach.
+"""Observe: what the model and the optimizer say about sizes, read once at attach.
 
 The controller's first guesses (bytes per token of a layer input, the keep model's layer shape, the logits and
 recompute working-set terms, the devices, the optimizer state to come) come from the model's config and
@@ -112,6 +112,13 @@ def token_terms(model: torch.nn.Module) -> tuple[float | None, float | None]:
         return logits, None
     intermediate = _positive_int(getattr(config, "intermediate_size", None)) or 4 * hidden
     return logits, layer_work_bytes_per_token(hidden, intermediate, size)
+
+
+def matrix_weights(module: torch.nn.Module, calls: int = 1) -> int:
+    """Elements of the module's floating-point parameters of two or more dimensions (what autocast casts for
+    its matmuls), per call when a container module runs ``calls`` layers."""
+    count = sum(p.numel() for p in module.parameters() if p.is_floating_point() and p.dim() >= 2)
+    return count // max(calls, 1)
 
 
 def model_devices(model: torch.nn.Module) -> list[torch.device]:

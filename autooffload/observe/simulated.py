@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..apply.keep import SavedBytesCounter, parameter_storages
 from ..settings import parse_host_memory
 from .probe import MemoryReading
+from .saved import SavedBytesCounter, parameter_storages
 
 
 def _size(value: int | str) -> int:

@@ -9,7 +9,8 @@ them. Other stacks (a VLM's vision blocks, an audio encoder nested in the embedd
 Each planned stack has an *entry*: the nearest module at or above the stack's owner whose ``forward`` takes the
 tokens (``input_ids``, ``inputs_embeds`` or ``input_features``). The controller decides at the first entry a
 micro-batch reaches (the attached model, an encoder-decoder's base model, or an entry called directly: TRL's
-Liger-loss path calls ``model.model``), once per micro-batch for every stack that entry runs.
+Liger-loss path calls ``model.model``), once per micro-batch for every stack that entry runs; what each stack's
+length is, read from that call, is :mod:`~autooffload.observe.inputs`'.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _stack(model: torch.nn.Module, modules: dict[str, torch.nn.Module], name: st
 
 
 def _readable(stack: Stack, model: torch.nn.Module) -> bool:
-    """Can :func:`read_lengths` read this stack's length from a call of its entry or of the attached model?"""
+    """Can :func:`.inputs.read_lengths` read this stack's length from a call of its entry or of the attached model?"""
     if takes_tokens(stack.entry):
         return True
     keys = DECODER_PARAMETERS if stack.role == "decoder" else TOKEN_PARAMETERS
@@ -203,13 +204,6 @@ def _subsampling(
     return tuple(convs), features
 
 
-def frames_after(length: int, convs: tuple[tuple[int, int, int, int], ...]) -> int:
-    """A sequence's length after ``convs``, torch's Conv1d arithmetic: ``(L + 2p - d(k - 1) - 1) // s + 1``."""
-    for kernel, stride, padding, dilation in convs:
-        length = max((length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1, 0)
-    return length
-
-
 def entries(model: torch.nn.Module, stacks: list[Stack]) -> list[tuple[torch.nn.Module, list[Stack]]]:
     """The modules to decide at, outermost first, each with the planned stacks its call runs: the attached
     model, every module between it and a stack's entry that takes the tokens, and the entries themselves."""
@@ -224,53 +218,3 @@ def entries(model: torch.nn.Module, stacks: list[Stack]) -> list[tuple[torch.nn.
                 chosen.setdefault(name, []).append(stack)
     order = {name: index for index, name in enumerate(names)}
     return [(modules[name], chosen[name]) for name in sorted(chosen, key=order.__getitem__)]
-
-
-def _shape(value: Any, stack: Stack | None = None) -> tuple[int, int] | None:
-    """(sequence length, tokens) of a stack's input: ids ``[batch, seq]``, embeddings ``[batch, seq, hidden]``,
-    or, with ``stack`` (``input_features``), speech features whose frame axis is the one that is not the feature
-    size, subsampled by the stack's convolutions."""
-    if not torch.is_tensor(value) or value.dim() < 1:
-        return None
-    if stack is not None:
-        if value.dim() < 2:
-            return None
-        axis = -2 if value.dim() >= 3 and value.shape[-1] == stack.features != value.shape[-2] else -1
-        seq = frames_after(int(value.shape[axis]), stack.convs)
-        return seq, seq * int(value.numel() // (value.shape[-1] * value.shape[-2]))  # x the batch
-    if value.is_floating_point():  # embeddings: [batch, seq, hidden]
-        if value.dim() < 2:
-            return None
-        return int(value.shape[-2]), int(value.numel() // value.shape[-1])
-    return int(value.shape[-1]), int(value.numel())
-
-
-def read_lengths(module: torch.nn.Module, stacks: list[Stack], args: tuple, kwargs: dict) -> dict[str, tuple[int, int]]:
-    """(sequence length, tokens) of each stack this call runs, from its inputs: a stack's own entry reads its
-    ``input_ids``, ``inputs_embeds`` or ``input_features``; a module above an encoder-decoder's entries reads
-    the encoder's from those and the decoder's from ``decoder_input_ids``, ``decoder_inputs_embeds`` or the
-    ``labels`` they are built from. A stack whose length the call does not give is left out."""
-    bound = _bind(module, args, kwargs)
-    found: dict[str, tuple[int, int]] = {}
-    for stack in stacks:
-        own = stack.entry is module or stack.role != "decoder"
-        keys = TOKEN_PARAMETERS if own else DECODER_PARAMETERS
-        for key in keys:
-            shape = _shape(bound.get(key), stack if key == "input_features" else None)
-            if shape is not None:
-                found[stack.name] = shape
-                break
-    return found
-
-
-def _bind(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    if not args:
-        return kwargs
-    try:
-        return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
-    except (TypeError, ValueError):
-        first = args[0]
-        bound = dict(kwargs)
-        if torch.is_tensor(first) and "input_ids" not in bound:
-            bound["input_features" if first.is_floating_point() and first.dim() == 3 else "input_ids"] = first
-        return bound

@@ -1,0 +1,94 @@
+"""Apply: what the checkpoint functions share within one forward of the model.
+
+The functions :mod:`~autooffload.apply.switch` installs are closures; what they must agree on lives here: which
+layer inputs were already handed to the engine in this forward (an input is moved once, however many layers save
+it), how often each planned layer was called under grad in the running micro-batch (HRM's layers run in cycles), and
+which layer a container model's i-th call of its checkpoint function is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..observe.targets import CheckpointTarget
+
+
+class ForwardState:
+    """What the checkpoint functions share within one forward of the attached model: the layer inputs already
+    handed to the engine (one is not moved twice), each container's call counter, and how often each planned
+    layer was called under grad (``counts``, since the last :meth:`take_counts`). The controller's
+    pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision.
+
+    ``on_first_call(position, nbytes)``, when set, hears the bytes of each planned layer's input (its first
+    positional tensor, what :meth:`claim` hands to the engine; 0 when the call has none) at its first
+    grad-enabled call after a take: the size a layer input really has (a source padded to a block size,
+    ProphetNet's n-gram streams, a speech pre-net's frames), which no token count read before the forward
+    says exactly."""
+
+    def __init__(self, layers: int = 0) -> None:
+        self.moved: list[weakref.ref] = []
+        self.calls: list[LayerCalls] = []
+        self.counts = [0] * layers
+        self.calls_per_forward = [1] * layers  # per layer, its latest count of calls that was not 0
+        self.on_first_call: Callable[[int, int], None] | None = None
+
+    def new_forward(self) -> None:
+        self.moved.clear()
+        for calls in self.calls:
+            calls.count = 0
+
+    def take_counts(self) -> list[int]:
+        """The calls of each planned layer since the last take (one micro-batch: the controller takes them at
+        every decision), and start counting again; ``calls_per_forward`` keeps, per layer, the last count not 0."""
+        counts, self.counts = self.counts, [0] * len(self.counts)
+        self.calls_per_forward = [count or last for count, last in zip(counts, self.calls_per_forward, strict=True)]
+        return counts
+
+    def counter(self, position: int) -> Callable[[tuple], None]:
+        """What layer ``position``'s functions call at every call with its arguments: it counts the call when it
+        saves inputs, and reports the first such call's layer input to ``on_first_call``."""
+
+        @torch.compiler.disable
+        def counted(args: tuple) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if self.counts[position] == 0 and self.on_first_call is not None:
+                layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+                nbytes = 0 if layer_input is None else layer_input.numel() * layer_input.element_size()
+                self.on_first_call(position, nbytes)
+            self.counts[position] += 1
+
+        return counted
+
+    @torch.compiler.disable
+    def claim(self, args: tuple) -> torch.Tensor | None:
+        """The layer input of a call (its first positional tensor), or None when there is none or it was already
+        handed to the engine in this forward."""
+        layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        self.moved = [ref for ref in self.moved if ref() is not None]
+        if layer_input is None or any(ref() is layer_input for ref in self.moved):
+            return None
+        self.moved.append(weakref.ref(layer_input))
+        return layer_input
+
+
+class LayerCalls:
+    """Per-call dispatch for a container target: its i-th call in a forward is layer i of its stack and runs
+    ``functions[i]``; a call beyond the stack's size runs ``beyond``. ``apply`` writes the slots, the installed
+    function (:func:`_dispatch_function`) only reads them, so a new kind of call (e.g. one that keeps the
+    layer's activations and calls it directly) is a new function in a slot."""
+
+    def __init__(self, target: CheckpointTarget, plain: Callable[..., Any]) -> None:
+        self.target = target
+        self.functions: list[Callable[..., Any]] = [plain] * target.size
+        self.beyond = plain
+        self.count = 0
+
+    def next(self) -> Callable[..., Any]:
+        index = self.count
+        self.count = index + 1
+        return self.functions[index] if index < len(self.functions) else self.beyond

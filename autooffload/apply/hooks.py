@@ -1,0 +1,68 @@
+"""Apply: the hooks through which a model's forwards and backwards reach the controller.
+
+A micro-batch is decided before its forward, at the first module it enters that autooffload watches: the attached
+model, or a planned stack's entry called without it (TRL's Liger-loss path calls ``model.model``; an
+encoder-decoder's base model). The entries inside one call (its encoder and decoder) then find it decided: a
+post-forward hook on the module that decided, which runs even when its forward raises, opens the way for the next
+call. With ``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep
+planner knows how many forwards were alive together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..observe.stacks import Stack
+from .keep import count_backwards
+
+Enter = Callable[[torch.nn.Module, Sequence[Stack] | None, tuple, dict], None]
+
+
+class ForwardHooks:
+    """Calls ``enter(module, stacks, args, kwargs)`` once per call of ``model`` or of a module of ``entries`` (each
+    with the stacks it runs) that is not inside another watched call; ``stacks`` is None for the model itself
+    (the controller's planned stacks, whatever they are when it is called). ``on_backward``: called once per
+    backward that reaches the model's last trainable parameter."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]],
+        enter: Enter,
+        on_backward: Callable[[], None] | None = None,
+    ) -> None:
+        self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
+        self._enter = enter
+        self._handles = self._watch(model, None)
+        for module, stacks in entries:
+            if module is not model:
+                self._handles += self._watch(module, stacks)
+        backward = count_backwards(model, on_backward) if on_backward is not None else None
+        if backward is not None:
+            self._handles.append(backward)
+
+    def _watch(self, module: torch.nn.Module, stacks: Sequence[Stack] | None) -> list[Any]:
+        @torch.compiler.disable
+        def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.active is None:
+                self.active = entered
+                self._enter(entered, stacks, args, kwargs)
+
+        @torch.compiler.disable
+        def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self.active is entered:
+                self.active = None
+
+        return [
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, with_kwargs=True, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.active = None

@@ -1,0 +1,106 @@
+"""Reading a model's local ``config.json`` for ``autooffload estimate``: the layer count and hidden size it needs,
+and what the arithmetic uses where the config says it (residual streams per token, an encoder-decoder's two
+stacks, the layer's sizes for the keep figures).
+
+No network and no torch work: a file, or a folder holding one, read as JSON. Only the layer count and hidden
+size are required; the other readers answer one stream, one stack and no layer shape where the file cannot be
+read, so that :func:`read_config` alone says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..decide.activations import STREAM_KEYS, LayerShape
+from .arithmetic import EstimateError
+
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers")
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+# Where a composite config keeps its language model's (transformers' get_text_config, and common remote code).
+TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config", "decoder", "generator")
+
+
+def read_config(path: str | Path) -> tuple[int, int]:
+    """(layers, hidden) of a transformers ``config.json`` (or a folder holding one). A composite config's text
+    section (``text_config``, ``llm_config``, ``language_config``, ``decoder``) wins over its top level, whose
+    ``hidden_size`` is absent or None in a VLM: the plan counts the language model's layers."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EstimateError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise EstimateError(f"cannot read {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise EstimateError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise EstimateError(f"{path} holds a JSON {type(config).__name__}, not a config object")
+    text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    scopes = [*text, config]
+    layers = _first_int(scopes, LAYER_KEYS)
+    hidden = _first_int(scopes, HIDDEN_KEYS)
+    missing = [what for what, value in (("layer count", layers), ("hidden size", hidden)) if value is None]
+    if missing:
+        keys = {"layer count": LAYER_KEYS, "hidden size": HIDDEN_KEYS}
+        wanted = "; ".join(f"{m} ({'/'.join(keys[m])})" for m in missing)
+        raise EstimateError(f"{path} has no {wanted}; pass --layers/--hidden")
+    return layers, hidden  # type: ignore[return-value]
+
+
+def _config_or_none(path: str | Path) -> dict[str, Any] | None:
+    """A ``config.json`` (or a folder holding one) as a dict, or None where it cannot be read: for the optional
+    figures, once :func:`read_config` has said what is wrong with a file that is."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def read_streams(path: str | Path) -> int:
+    """Residual streams per token of a layer input (``hc_mult``/``hc_count``, text config first); 1 if none."""
+    config = _config_or_none(path)
+    if config is None:
+        return 1
+    text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    streams = _first_int([*text, config], STREAM_KEYS)
+    return streams if streams is not None and streams > 0 else 1
+
+
+def read_encoder_decoder(path: str | Path) -> tuple[int, int] | None:
+    """(encoder layers, decoder layers) of an encoder-decoder ``config.json`` (``is_encoder_decoder``: BART's and
+    Whisper's ``encoder_layers``/``decoder_layers``, T5's ``num_layers``/``num_decoder_layers``); None otherwise."""
+    config = _config_or_none(path)
+    if config is None or config.get("is_encoder_decoder") is not True:
+        return None
+    encoder = _first_int([config], ("encoder_layers", "num_layers", "num_hidden_layers"))
+    decoder = _first_int([config], ("decoder_layers", "num_decoder_layers")) or encoder
+    return (encoder, decoder) if encoder and decoder else None
+
+
+def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerShape | None:
+    """The layer's sizes for the keep figures from a ``config.json`` (text config first); None where it has none."""
+    config = _config_or_none(path)
+    if config is None:
+        return None
+    scope = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    fields = {k: v for k, v in scope.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    fields["hidden_size"] = hidden
+    return LayerShape.from_config(argparse.Namespace(**fields), dtype_bytes)
+
+
+def _first_int(scopes: list[dict[str, Any]], keys: tuple[str, ...]) -> int | None:
+    for scope in scopes:
+        for key in keys:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None

@@ -1,0 +1,179 @@
+"""Observe: the device's memory at a step's fullest, read once per optimizer step.
+
+A :class:`MemoryMonitor` owns the probe (NVML on the model's device, one the caller gives, or none), starts each
+step's peak, reads it at the step's end and says what the reading is worth: whether it is a sample of training
+alone (``clean``: no evaluation or checkpoint save ran inside it), what it lacks (``pending_bytes``: optimizer
+state not yet allocated when the step began), and, after a rescued step, at least what the failed allocation
+needed. A probe that fails is dropped with one warning: training goes on without a memory signal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .model import optimizer_state_bytes
+from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """The last step's reading as the decision takes it (``None``: no reading). ``bytes`` is raised after a rescued
+    step (``rescued``) to what it needed at least; ``fraction`` stays what the probe read."""
+
+    fraction: float | None = None
+    bytes: int | None = None
+    total: int | None = None
+    rescued: bool = False
+    clean: bool = True
+    pending_bytes: int = 0
+
+
+class MemoryMonitor:
+    """The probe and the readings of one run. ``choice``: a probe, ``"auto"`` (NVML on the model's CUDA device) or
+    ``None``; ``warn``: the controller's :class:`~autooffload.warn.WarnOnce`."""
+
+    def __init__(self, choice: MemoryProbe | str | None, warn: Callable[[str, str], Any]) -> None:
+        self.choice = choice
+        self.warn = warn
+        self.probe: MemoryProbe | None = None
+        self.optimizer: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        """A new run: no reading yet."""
+        self.last = Reading()
+        self.begun = False  # the running step's peak started (begin_step)
+        self.rescuing = False  # the running step ran out of device memory and is rerun
+        self.peak_fraction: float | None = None
+        self.side_work = False  # evaluation or saving ran since the last reading
+        self.state_at_start = 0  # optimizer state bytes when the step began
+        self.tried_bytes: int | None = None  # the allocation the running step failed on
+
+    def attach(self, model: torch.nn.Module, devices: tuple[torch.device, ...], optimizer: Any, settings: Any) -> None:
+        """Make the probe for ``model`` on ``devices`` and hand it the model where it counts the model itself."""
+        self.optimizer = optimizer if optimizer is not None else self.optimizer
+        self.probe = self._make_probe(list(devices), settings)
+        watch = getattr(self.probe, "watch_model", None)
+        if not callable(watch):
+            return
+        try:
+            watch(model, lambda: self.optimizer)
+        except Exception as error:
+            self.warn("probe-watch", f"memory probe watch_model failed ({error!r}); no memory reading from it")
+            self.probe = None
+
+    def detach(self) -> None:
+        unwatch = getattr(self.probe, "unwatch_model", None)
+        if callable(unwatch):
+            unwatch()
+        self.optimizer = None
+
+    def _make_probe(self, devices: list[torch.device], settings: Any) -> MemoryProbe | None:
+        if self.choice != "auto":
+            return self.choice  # type: ignore[return-value]
+        try:
+            return NvmlProbe(devices if len(devices) > 1 else devices[0])
+        except ProbeUnavailable as error:
+            if settings.mode == "auto":
+                self.warn(
+                    "no-probe",
+                    f"no device memory reading ({error}); offload follows the sequence-length trigger alone "
+                    f"(AUTOOFFLOAD_SEQ_HIGH={settings.seq_high})",
+                )
+            return None
+
+    def begin_step(self) -> None:
+        """A step's peak starts here (the probe's ``reset()``, where it has one)."""
+        self.begun = True
+        self.state_at_start = optimizer_state_bytes(self.optimizer)[0] if self.optimizer is not None else 0
+        reset = getattr(self.probe, "reset", None)
+        if reset is None:
+            return
+        try:
+            reset()
+        except Exception as error:  # a probe's failure must not end the run; the reading still works
+            self.warn("probe-reset", f"memory probe reset failed ({error!r}); a step's peak may include earlier work")
+            return
+        self.side_work = False  # evaluation or saving before the reset is not in this step's reading
+
+    def rescue(self, tried_bytes: int | None) -> None:
+        """The running step ran out of device memory (``tried_bytes``: the allocation that failed, where known) and
+        is rerun: its reading will be a lower bound of what it needed."""
+        self.rescuing = True
+        self.tried_bytes = max(self.tried_bytes or 0, tried_bytes or 0)
+
+    def note_side_work(self) -> None:
+        """Evaluation or a checkpoint save ran since the last reading: the next one is no sample of training alone,
+        unless the probe's ``reset()`` at the next step's start keeps that work out of it."""
+        self.side_work = True
+
+    def end_step(self) -> float | None:
+        """Read the step's peak; returns the reading in bytes as the probe gave it (None: none), before a rescued
+        step's is raised to what it needed (:attr:`last` holds that)."""
+        rescued, self.begun, self.rescuing = self.rescuing, False, False
+        fraction, used, total = self._read()
+        measured = used if fraction is not None else None
+        if fraction is not None:
+            self.peak_fraction = max(self.peak_fraction or 0.0, fraction)
+        if rescued and used is not None and total:
+            used = max(used + (self.tried_bytes or 0), total)  # the reading misses the allocation that failed
+        self.tried_bytes = None
+        self.last = Reading(fraction, used, total, rescued, not self.side_work, self._pending_optimizer_bytes())
+        self.side_work = False
+        return measured
+
+    def _read(self) -> tuple[float | None, int | None, int | None]:
+        if self.probe is None:
+            return None, None, self.last.total
+        try:
+            reading = self.probe.read()
+        except Exception as error:  # NVML can fail mid-run (driver reset, XID); training goes on
+            self.probe = None
+            self.warn(
+                "probe-failed",
+                f"memory reading failed ({error!r}); the sequence-length trigger alone decides from now on",
+            )
+            return None, None, self.last.total
+        if reading is None:
+            return None, None, self.last.total
+        # Plain ints (a user's probe may hand numpy's): the state goes into Trainer's trainer_state.json.
+        used, total = int(reading.used_bytes), int(reading.total_bytes)
+        return used / total, used, total
+
+    def _pending_optimizer_bytes(self) -> int:
+        """Optimizer state that did not exist when the step just read began, so its reading lacks it.
+
+        Only while the state is still empty at a step's start (torch's optimizers create it whole at their
+        first ``step()``): once any exists, what the count says of it (ZeRO's partitions, a state restored
+        on resume) is noise, not state still to come, and a resumed run must decide as the uninterrupted one.
+        """
+        if self.optimizer is None or self.state_at_start > 0:
+            return 0
+        expected = optimizer_state_bytes(self.optimizer)[1]
+        return max(0, expected) if expected is not None else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "memory": {"fraction": last.fraction, "bytes": last.bytes, "total": last.total},
+            "peak_memory_fraction": self.peak_fraction,
+            "last_step_rescued": last.rescued,
+            "last_step_clean": last.clean,
+            "pending_bytes": last.pending_bytes,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        memory = state.get("memory") or {}
+        self.last = Reading(
+            memory.get("fraction"),
+            memory.get("bytes"),
+            memory.get("total"),
+            bool(state.get("last_step_rescued", False)),
+            bool(state.get("last_step_clean", True)),
+            int(state.get("pending_bytes") or 0),  # a checkpoint after step 0: Adam's state to come
+        )
+        self.peak_fraction = state.get("peak_memory_fraction")

@@ -1,0 +1,154 @@
+"""Observe: what each planned layer's saved input weighs, planned before a forward and learned from it.
+
+The arithmetic is tokens x width x bytes per token: a stack's tokens in the micro-batch (its own length: an
+encoder's source, a decoder's target), its width relative to the model's hidden size (an encoder and a decoder
+of different widths), and ``token_bytes``, a layer input's bytes per token (hidden size x dtype bytes, x the
+residual streams of a hyper-connection model). The config gives first guesses; the run corrects them:
+
+- each planned layer's first call in a micro-batch reports its input's real bytes (a source padded to a block
+  size, ProphetNet's n-gram streams, a speech pre-net's frames): before anything moved, the first stack's report
+  sets ``token_bytes``; after, a report sets its stack's width;
+- at a step's end, where no layer call reported, ``token_bytes`` is measured from the bytes the engine moved;
+- a layer whose call passes no tensor positionally (its hidden states go as a keyword) frees nothing.
+
+A layer that runs several times in one forward (HRM's cycles) holds one input per call: its bytes are its calls
+in the last forward that ran it x one call's. Plain numbers only: the apply side reports, this module counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .inputs import MicroBatch
+from .layout import ModelLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """A micro-batch's planned layers, sized: ``order``, the positions in the order they offload (those that free
+    the most first, module order among equals); ``layer_bytes``, each one's saved inputs (all its calls) in that
+    order, and their mean ``bytes_per_layer`` (both None before any bytes per token are known); ``per_call``: per
+    layer in module order, one call's tokens in units of ``token_bytes``, a layer input's bytes per token."""
+
+    order: tuple[int, ...]
+    layer_bytes: tuple[int, ...] | None
+    bytes_per_layer: int | None
+    per_call: list[float]
+    token_bytes: float | None
+
+
+class LayerSizes:
+    """The planned layers' saved-input sizes (see the module docstring): per micro-batch, per step, per run."""
+
+    def __init__(self) -> None:
+        self.token_bytes: float | None = None  # a layer input's bytes per token: the config's, then measured
+        self.widths: dict[str, float] = {}  # each stack's layer input per token, relative to token_bytes
+        self.config_widths: dict[str, float] = {}  # the same from the config: what a new run starts with
+        self.guess: float | None = None  # token_bytes from the config of the attached model (None: detached)
+        self.layer_stacks: tuple[str, ...] = ()
+        self.inputless: set[int] = set()  # layers whose calls pass no tensor positionally: nothing moves
+        self.batch: MicroBatch | None = None  # the running micro-batch
+        # Per planned layer (module order), what the running micro-batch's decision sized its saved inputs at, all
+        # its calls, before the forward ran them (None before any bytes per token are known).
+        self.planned_layer_bytes: tuple[int, ...] | None = None
+        self.bytes_per_layer: int | None = None
+        # The running micro-batch's offloaded layers, and per layer one call's tokens (a first call corrects them).
+        self.running: tuple[frozenset[int], list[float]] | None = None
+        self.step_layer_tokens = 0.0  # the step's offloaded layer-tokens, as their calls counted them
+        self.reported = False  # an offloaded layer's call said its input's bytes in this step
+
+    def attach(self, layout: ModelLayout) -> None:
+        """Follow the planned layers of ``layout`` (at attach, and when a trainer reinstalls checkpointing); widths
+        learned or restored for stacks that are still planned stay."""
+        self.inputless = set()
+        self.guess = layout.token_bytes if layout.targets else self.guess
+        self.token_bytes = self.token_bytes or self.guess
+        self.layer_stacks = layout.layer_stacks
+        self.config_widths = dict(layout.widths)
+        learned = {name: width for name, width in self.widths.items() if name in self.config_widths}
+        self.widths = {**self.config_widths, **learned}
+        self.running = None
+
+    def detach(self) -> None:
+        """No model: a new run starts without a guess of the bytes per token."""
+        self.guess, self.running = None, None
+
+    def reset(self) -> None:
+        """A new run: the config's guesses, nothing running, nothing counted."""
+        self.token_bytes = self.guess
+        self.widths = dict(self.config_widths)
+        self.batch, self.planned_layer_bytes, self.bytes_per_layer, self.running = None, None, None, None
+        self.step_layer_tokens, self.reported = 0.0, False
+
+    def size(self, batch: MicroBatch, calls: list[int]) -> Sized:
+        """Size the planned layers for ``batch``; ``calls``: each layer's calls in the last forward that ran it."""
+        self.batch = batch
+        per_call = [
+            0.0 if position in self.inputless else batch.lengths.get(stack, (0, 0))[1] * self.widths.get(stack, 1.0)
+            for position, stack in enumerate(self.layer_stacks)
+        ]
+        layer_tokens = [count * tokens for count, tokens in zip(calls, per_call, strict=True)]
+        order = tuple(sorted(range(len(layer_tokens)), key=lambda i: -layer_tokens[i]))
+        unit = self.token_bytes
+        self.planned_layer_bytes = tuple(round(t * unit) for t in layer_tokens) if unit else None
+        planned = self.planned_layer_bytes
+        layer_bytes = tuple(planned[i] for i in order) if planned is not None else None
+        self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
+        return Sized(order, layer_bytes, self.bytes_per_layer, per_call, unit)
+
+    def start(self, offloaded: frozenset[int], sized: Sized) -> None:
+        """The micro-batch runs with the layers at ``offloaded`` on offload."""
+        self.running = (offloaded, list(sized.per_call))
+
+    def first_call(self, position: int, nbytes: int, moved_any: bool) -> None:
+        """Layer ``position``'s first call in the micro-batch saves an input of ``nbytes`` (0: none it can move).
+        ``moved_any``: bytes were moved before in this run (else ``token_bytes`` is still the config's guess)."""
+        if nbytes == 0:
+            self.inputless.add(position)
+        else:
+            self.inputless.discard(position)
+        stack = self.layer_stacks[position]
+        tokens = self.batch.lengths.get(stack, (0, 0))[1] if self.batch is not None else 0
+        if tokens > 0 and nbytes > 0:
+            if not moved_any and stack == self.layer_stacks[0]:
+                self.token_bytes = nbytes / (tokens * self.widths.get(stack, 1.0))
+            elif self.token_bytes:
+                self.widths[stack] = nbytes / (tokens * self.token_bytes)
+        if self.running is not None and self.token_bytes:
+            self.running[1][position] = nbytes / self.token_bytes
+            self.reported |= position in self.running[0]
+
+    def planned_bytes(self, counts: list[int]) -> float | None:
+        """What the running micro-batch's offloaded layers move by the arithmetic, for their ``counts`` of calls so
+        far; None before any bytes per token are known."""
+        if self.running is None or not self.token_bytes:
+            return None
+        offloaded, per_call = self.running
+        return self.token_bytes * sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
+
+    def close_micro_batch(self, counts: list[int]) -> None:
+        """The running micro-batch is over, its layers called ``counts`` times: add its offloaded layer-tokens."""
+        if self.running is None:
+            return
+        offloaded, per_call = self.running
+        self.running = None
+        self.step_layer_tokens += sum(counts[p] * per_call[p] for p in offloaded if p < len(counts))
+
+    def end_step(self, moved: int, measure: bool) -> None:
+        """Close a step that moved ``moved`` bytes. Where its layer calls said their bytes, ``token_bytes`` is not
+        measured again: that would only fold in what the engine did not move (the stream engine's last layer, an
+        input already moved), step after step, towards 0. ``measure``: False for a rescued step."""
+        if moved and self.step_layer_tokens and measure and not self.reported:
+            self.token_bytes = moved / self.step_layer_tokens
+        self.step_layer_tokens, self.reported = 0.0, False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layer_token_bytes": self.token_bytes, "stack_width": dict(self.widths)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.token_bytes = state.get("layer_token_bytes") or self.token_bytes
+        widths = state.get("stack_width")
+        if isinstance(widths, dict):  # before attach every name; after, those of the planned stacks
+            known = self.config_widths or widths
+            self.widths.update({str(name): float(width) for name, width in widths.items() if name in known})
