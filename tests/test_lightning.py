@@ -90,9 +90,7 @@ def test_resume_from_a_lightning_checkpoint_continues_the_run_exactly(tmp_path):
     written = whole.history_path.read_text()
     resumed = AutoOffload(**settings)
     checkpoint = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
-    _, module = fit(
-        tmp_path, lengths, [resumed], max_epochs=3, ckpt_path=str(checkpoint), module=CausalLM(dropout=0.0)
-    )
+    _, module = fit(tmp_path, lengths, [resumed], max_epochs=3, ckpt_path=str(checkpoint), module=CausalLM(dropout=0.0))
 
     # The resumed run holds at step 3 because the saved dwell says so (a fresh one would have switched off),
     # and ends where the uninterrupted one did: same history file (cut back to step 2, then appended), state,
