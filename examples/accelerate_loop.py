@@ -54,9 +54,11 @@ def make_accelerator(gradient_accumulation_steps: int) -> Accelerator:
 def fsdp2_on_cpu(accelerator: Accelerator) -> bool:
     """An FSDP2 launch config that accelerate ran as DDP (it does FSDP on accelerators only): shard here."""
     asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if asked and os.environ.get("FSDP_VERSION", "1") != "2":
+    if not asked or accelerator.distributed_type == DistributedType.FSDP:
+        return False
+    if os.environ.get("FSDP_VERSION", "1") != "2":
         raise SystemExit("on a CPU this example runs FSDP2 only (fsdp_version: 2 in the accelerate config)")
-    return asked and accelerator.distributed_type != DistributedType.FSDP
+    return True
 
 
 def shard(model: torch.nn.Module) -> None:
