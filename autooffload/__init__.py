@@ -1,6 +1,8 @@
 """autooffload: keep activation checkpointing's saved inputs on the device while they fit, and move them to
 pinned host memory, per micro-batch, when a long sequence or a full device says they must go."""
 
+from typing import TYPE_CHECKING, Any
+
 from .apply.offload import OffloadStats
 from .controller import OffloadController
 from .decide.policy import HysteresisPolicy, Observation, Policy
@@ -11,7 +13,10 @@ from .rescue import Rescue
 from .settings import Settings, SettingsError
 from .warn import AutoOffloadWarning
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # imported on first use (below): the callback imports transformers
+    from .callback import AutoOffloadCallback, attach
+
+__version__ = "0.2.0.dev0"  # the one place: pyproject.toml reads it; CHANGELOG.md says what changed
 
 __all__ = [
     "AutoOffloadCallback",
@@ -35,7 +40,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # The callback imports transformers; a custom loop or the policy alone should not pay for that.
     if name == "AutoOffloadCallback":
         from .callback import AutoOffloadCallback

@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
 from . import lifecycle
@@ -116,13 +116,15 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             settings = Settings.from_env(**{**self.explicit, "mode": mode})
         self.controller.settings = settings
 
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._resolve_settings(args)
 
     # ---- training ------------------------------------------------------------------------------------
 
     @guarded("on_train_begin", retry=True)
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
+    ) -> None:
         self._resolve_settings(args)
         saved = self._saved_state(state) if lifecycle.resumed(state) else None
         if saved is not None:
@@ -141,26 +143,35 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self._wrap_log(trainer)
 
     @guarded("on_step_begin")
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if self.controller.memory.optimizer is None and optimizer is not None:
             self.controller.memory.optimizer = optimizer
         self.controller.begin_step()
 
     @guarded("on_step_end")
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.controller.end_step()
 
     @guarded("on_evaluate")
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.controller.note_side_work()
 
     @guarded("on_save")
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.controller.note_side_work()
         self._write_history()
 
     @guarded("on_log")
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: Any = None, **kwargs: Any
+    ) -> None:
         self._write_history()
         # Only where no Trainer was found to wrap: reporting callbacks before this one miss the keys.
         metrics = {} if self._log_wrapped else self._metrics_for(logs)
@@ -176,7 +187,9 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         return self.controller.metrics()
 
     @guarded("on_train_end")
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.controller.switch is not None:
             summary = self.controller.finish()  # every rank: a collective under torch.distributed
             if state.is_world_process_zero:
@@ -220,7 +233,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self._log_wrapped = False
         if trainer is None:
             return
-        log = trainer.log
+        log: Any = trainer.log
         if getattr(log, "_autooffload", None) is not None:
             log = log._autooffload_inner
 
@@ -229,9 +242,9 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             self._restore_peaked_delta(logs)
             return log(logs, *args, **kwargs)
 
-        log_with_autooffload._autooffload = True
-        log_with_autooffload._autooffload_inner = log
-        trainer.log = log_with_autooffload
+        log_with_autooffload._autooffload = True  # type: ignore[attr-defined]
+        log_with_autooffload._autooffload_inner = log  # type: ignore[attr-defined]
+        trainer.log = log_with_autooffload  # type: ignore[method-assign]
         self._log_wrapped = True
 
     def _restore_peaked_delta(self, logs: dict[str, float]) -> None:
@@ -322,5 +335,5 @@ def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
             callback().abandon()
             raise
 
-    train_with_clean_up._autooffload_cleanup = True
-    trainer.train = train_with_clean_up
+    train_with_clean_up._autooffload_cleanup = True  # type: ignore[attr-defined]
+    trainer.train = train_with_clean_up  # type: ignore[method-assign]

@@ -99,7 +99,7 @@ class OffloadController(Run):
             "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, "
             "host memory budget %.1f MiB for this rank (AUTOOFFLOAD_HOST_MEMORY=%s over %d rank(s) of the node)",
             len(self.switch.layers), self.settings.mode, probe, self.planner.compiled,
-            self.host.budget_bytes / 2**20, self.settings.host_memory, ranks_per_node(),
+            (self.host.budget_bytes or 0) / 2**20, self.settings.host_memory, ranks_per_node(),
         )  # fmt: skip
         return True
 

@@ -201,7 +201,7 @@ def truncate_history(path: str | os.PathLike, last_step: int) -> int:
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     except FileNotFoundError:
         return 0
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= last_step]
+    kept = [line for line in lines if (step := _step_of(line)) is not None and step <= last_step]
     if len(kept) == len(lines):
         return 0
     partial = path.with_name(path.name + ".tmp")

@@ -223,5 +223,5 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
         earlier.append((inputs, args, kwargs))
         return loss
 
-    training_step._autooffload_rescue = True
+    training_step._autooffload_rescue = True  # type: ignore[attr-defined]
     trainer.training_step = training_step

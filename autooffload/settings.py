@@ -70,7 +70,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check(f.name, getattr(self, f.name), _env_name(f.name), _TYPES[f.type])
+            _check(f.name, getattr(self, f.name), _env_name(f.name), _TYPES[str(f.type)])
         self._check_order("memory_low", "memory_high")
         self._check_order("seq_low", "seq_high")
 
@@ -82,7 +82,7 @@ class Settings:
             )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: Any) -> Settings:
         """Defaults, overridden by ``AUTOOFFLOAD_*`` variables in ``env``, overridden by ``overrides``.
 
         ``None`` in ``overrides`` means "not given". An ``AUTOOFFLOAD_`` variable that names no setting is an
@@ -98,7 +98,7 @@ class Settings:
                 raise SettingsError(
                     f"unknown environment variable {key}={raw!r}; autooffload reads: {', '.join(sorted(names))}"
                 )
-            values[names[key].name] = _parse(key, raw, _TYPES[names[key].type])
+            values[names[key].name] = _parse(key, raw, _TYPES[str(names[key].type)])
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise SettingsError(

@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import os
-from importlib import metadata
 
 import pytest
 import torch
+from releases import releases
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
 
 LAYERS, HIDDEN, VOCAB = 4, 64, 256
-RELEASES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed")
-
-
-def releases() -> str:
-    """The installed release of every package the suite runs against ("absent" where one is not installed)."""
-
-    def release(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return ", ".join(f"{name} {release(name)}" for name in RELEASES)
 
 
 def pytest_report_header(config) -> str:

@@ -3,8 +3,8 @@
 Examples: every fenced ```python and ```bash block in README.md and docs/*.md runs, a page's blocks in order
 (a later block may use what an earlier one wrote), each in a fresh process from the repository root with this
 checkout first on the path. Two HTML comments on the line before a fence, invisible on a code host, change
-that: ``<!-- not-run: why -->`` (installs, long runs, a GPU) and ``<!-- needs: transformers>=5.23 -->`` (skipped
-on an older release). Other languages (```text, ```json) are output and are not run.
+that: ``<!-- not-run: why -->`` (installs, long runs, a GPU) and ``<!-- needs: transformers>=5.23 -->`` (any
+package: skipped where it is absent or older). Other languages (```text, ```json) are output and are not run.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
-import transformers
 from packaging.version import Version
 
 from autooffload.warn import ANCHORS, TROUBLESHOOTING, doc_link
@@ -70,11 +70,15 @@ def _environment() -> dict[str, str]:
 
 
 def _needs_met(block: Block) -> bool:
+    """``<!-- needs: PACKAGE>=VERSION -->``: run only where that release or a later one is installed."""
     if block.marker is None or block.marker[0] != "needs":
         return True
-    name, minimum = block.marker[1].split(">=")
-    assert name.strip() == "transformers", f"{block.page.name}:{block.line}: unknown requirement {block.marker[1]}"
-    return Version(transformers.__version__) >= Version(minimum.strip())
+    name, minimum = (part.strip() for part in block.marker[1].split(">="))
+    try:
+        installed = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return Version(installed) >= Version(minimum)
 
 
 def _slug(heading: str) -> str:

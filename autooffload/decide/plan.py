@@ -19,27 +19,38 @@ Agree = Callable[[int, int, int, int], tuple[int, int]]  # (level, host cap, kee
 class Batch(Protocol):
     """The micro-batch (:class:`~autooffload.observe.inputs.MicroBatch`): its longest length and its tokens."""
 
-    seq_len: int
-    tokens: int
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
 
 
 class Sizes(Protocol):
     """Its layers' saved inputs (:class:`~autooffload.observe.sizes.Sized`), in offload order."""
 
-    layer_bytes: tuple[int, ...] | None
-    bytes_per_layer: int | None
-    token_bytes: float | None
+    @property
+    def layer_bytes(self) -> tuple[int, ...] | None: ...
+    @property
+    def bytes_per_layer(self) -> int | None: ...
+    @property
+    def token_bytes(self) -> float | None: ...
 
 
 class LastReading(Protocol):
     """The last step's reading (:class:`~autooffload.observe.memory.Reading`)."""
 
-    fraction: float | None
-    bytes: int | None
-    total: int | None
-    rescued: bool
-    clean: bool
-    pending_bytes: int
+    @property
+    def fraction(self) -> float | None: ...
+    @property
+    def bytes(self) -> int | None: ...
+    @property
+    def total(self) -> int | None: ...
+    @property
+    def rescued(self) -> bool: ...
+    @property
+    def clean(self) -> bool: ...
+    @property
+    def pending_bytes(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,7 +102,7 @@ class NvmlProbe:
             cuda = torch.cuda
         if nvml == "import":
             try:
-                import pynvml as nvml
+                import pynvml as nvml  # type: ignore[no-redef]
             except ImportError:
                 nvml = None
         self._cuda = cuda
@@ -224,13 +224,13 @@ def _mig_enabled(nvml: Any, handle: Any) -> bool:
     return bool(current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1))
 
 
-def _is_cuda(device: object) -> bool:
+def _is_cuda(device: Any) -> bool:
     import torch
 
     return isinstance(device, int) or torch.device(device).type == "cuda"
 
 
-def _cuda_index(device: object, cuda: Any) -> int:
+def _cuda_index(device: Any, cuda: Any) -> int:
     if isinstance(device, int):
         return device
     if device is None:

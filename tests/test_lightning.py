@@ -1,0 +1,205 @@
+"""PyTorch Lightning: ``autooffload.integrations.lightning.AutoOffload`` on a real ``lightning.pytorch.Trainer``
+training a LightningModule around a tiny transformers model (tests/lightning_worker.py): one process with
+gradient accumulation, a resume from Lightning's checkpoint, two DDP ranks over gloo, a failing step. Bytes moved
+must equal the arithmetic, and losses and parameters those of plain checkpointing, bit for bit (fp32, dropout on).
+Skipped where lightning is not installed (./dev installs it in .venv, not in the oldest environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_worker import HIDDEN, LAYERS, RANK_LENGTHS, CausalLM, fit, parameters, quiet
+
+from autooffload import AutoOffloadWarning, SettingsError, lifecycle
+from autooffload.history import read_history
+from autooffload.integrations.lightning import AutoOffload
+
+TESTS = Path(__file__).resolve().parent
+LENGTHS = [64, 64, 512, 64, 64, 64, 384, 64]
+SETTINGS = dict(seq_high=256, seq_low=128, min_steps=1)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    quiet()
+
+
+def arithmetic(record: dict) -> int:
+    """What a step moves: each micro-batch's offloaded layers x its tokens x hidden x 4 bytes (fp32)."""
+    return sum(level * tokens * HIDDEN * 4 for level, tokens in zip(record["offloaded"], record["tokens"], strict=True))
+
+
+def history(callback: AutoOffload) -> list[dict]:
+    assert callback.history_path is not None
+    return read_history(callback.history_path)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_one_step_per_optimizer_step_bytes_as_arithmetic_losses_as_plain(tmp_path, accumulate):
+    callback = AutoOffload(**SETTINGS)
+    trainer, module = fit(tmp_path / "with", LENGTHS, [callback], accumulate=accumulate)
+    _, plain = fit(tmp_path / "plain", LENGTHS, [], accumulate=accumulate)
+
+    records = history(callback)
+    # Lightning's optimizer steps, the epoch's last shorter accumulation included (8 = 3 + 3 + 2).
+    sizes = [len(LENGTHS[i : i + accumulate]) for i in range(0, len(LENGTHS), accumulate)]
+    assert trainer.global_step == callback.controller.step == len(sizes)
+    assert [r["step"] for r in records] == list(range(1, len(sizes) + 1))
+    assert [len(r["seq_lens"]) for r in records] == sizes
+    assert [seq for r in records for seq in r["seq_lens"]] == LENGTHS
+    # The long micro-batches offload every layer; what moved is the arithmetic, step by step.
+    levels = [level for r in records for level in r["offloaded"]]
+    assert all(level == LAYERS for seq, level in zip(LENGTHS, levels, strict=True) if seq >= 256)
+    assert [r["bytes_moved"] for r in records] == [arithmetic(r) for r in records]
+    assert sum(r["bytes_moved"] for r in records) == callback.controller.stats.total_bytes > 0
+    # Training is plain checkpointing's, bit for bit.
+    assert module.losses == plain.losses
+    assert parameters(module) == parameters(plain)
+    # The history lies in the run's directory; the values went to Lightning's logger, one row per step.
+    assert callback.history_path == Path(trainer.log_dir) / "autooffload" / "history.jsonl"
+    rows = (Path(trainer.log_dir) / "metrics.csv").read_text().splitlines()
+    columns = rows[0].split(",")
+    logged = [float(row.split(",")[columns.index("autooffload/offloaded_bytes")]) for row in rows[1:]]
+    assert logged == [r["bytes_moved"] for r in records]
+    assert {"autooffload/active", "autooffload/switches", "autooffload/host_bytes"} <= set(columns)
+    # Detached at the end: no hook, no owner.
+    assert callback.controller.switch is None and lifecycle.owner(module.model) is None
+
+
+def test_resume_from_a_lightning_checkpoint_continues_the_run_exactly(tmp_path):
+    # Checkpoints at epoch ends (Lightning restarts a mid-epoch resume at the epoch's first batch unless the
+    # dataloader is stateful). No dropout: Lightning's checkpoints do not hold the random state.
+    lengths, settings = [64, 64, 512, 64], dict(seq_high=256, seq_low=128, min_steps=2)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_epochs=1, save_top_k=-1)
+    whole = AutoOffload(**settings)
+    _, uninterrupted = fit(
+        tmp_path, lengths, [whole, saves], max_epochs=3, enable_checkpointing=True, module=CausalLM(dropout=0.0)
+    )
+    written = whole.history_path.read_text()
+    resumed = AutoOffload(**settings)
+    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
+    _, module = fit(tmp_path, lengths, [resumed], max_epochs=3, ckpt_path=str(checkpoint), module=CausalLM(dropout=0.0))
+
+    # The resumed run holds at step 3 because the saved dwell says so (a fresh one would have switched off),
+    # and ends where the uninterrupted one did: same history file (cut back to step 2, then appended), state,
+    # losses and parameters.
+    records = read_history(resumed.history_path)
+    assert records[2]["offloaded"] == [LAYERS, LAYERS] and records[2]["reasons"] == ["dwell", "dwell"]
+    assert resumed.history_path.read_text() == written
+    assert resumed.controller.state_dict() == whole.controller.state_dict()
+    assert module.losses == uninterrupted.losses[4:]
+    assert parameters(module) == parameters(uninterrupted)
+
+
+def test_a_failing_step_leaves_the_model_detached_and_the_history_written(tmp_path):
+    callback = AutoOffload(**SETTINGS)
+    module = CausalLM(fail_at_step=2)
+    with pytest.raises(RuntimeError, match="a failing training step"):
+        fit(tmp_path, LENGTHS, [callback], module=module, log_every_n_steps=50)
+    assert callback.controller.switch is None and lifecycle.owner(module.model) is None
+    assert [r["step"] for r in history(callback)] == [1, 2]
+    # The model trains on afterwards with plain checkpointing (no hook of ours left on it).
+    module.fail_at_step = None
+    loss = module.model(input_ids=torch.ones(1, 8, dtype=torch.long), labels=torch.ones(1, 8, dtype=torch.long)).loss
+    loss.backward()
+
+
+def test_settings_from_the_environment_and_arguments_over_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOOFFLOAD_MODE", "on")
+    on = AutoOffload()
+    fit(tmp_path / "on", LENGTHS[:4], [on])
+    assert [r["offloaded"] for r in history(on)] == [[LAYERS, LAYERS]] * 2
+    off = AutoOffload(mode="off")
+    fit(tmp_path / "off", LENGTHS[:4], [off])
+    assert [r["offloaded"] for r in history(off)] == [[0, 0]] * 2
+    monkeypatch.setenv("AUTOOFFLOAD_MODE", "sometimes")
+    with pytest.raises(SettingsError, match="AUTOOFFLOAD_MODE"):
+        AutoOffload()
+
+
+def test_the_rescue_is_refused_once_when_asked_for_and_silent_otherwise(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "default", LENGTHS[:2], [AutoOffload(**SETTINGS)])
+    refusal = "out-of-memory steps are not rescued under Lightning"
+    assert not [w for w in caught if refusal in str(w.message)]  # (a CPU's no-probe warning is there)
+    with pytest.warns(AutoOffloadWarning, match=refusal) as caught:
+        fit(tmp_path / "asked", LENGTHS[:4], [AutoOffload(rescue=True, **SETTINGS)])
+    assert len([w for w in caught if refusal in str(w.message)]) == 1
+
+
+def test_what_it_controls():
+    module = CausalLM()
+    assert AutoOffload().controlled(module) is module.model  # the first module with a config
+    assert AutoOffload(model="model").controlled(module) is module.model
+    assert AutoOffload(model=lambda m: m.model.model).controlled(module) is module.model.model
+
+
+def test_without_checkpointing_it_warns_once_and_training_goes_on(tmp_path):
+    module = CausalLM()
+    module.model.gradient_checkpointing_disable()
+    callback = AutoOffload(**SETTINGS)
+    with pytest.warns(AutoOffloadWarning, match="no checkpointed layers found"):
+        _, plain = fit(tmp_path, LENGTHS[:4], [callback], module=module)
+    assert callback.controller.step == 2 and callback.history_path is None and len(plain.losses) == 4
+
+
+def test_importing_autooffload_does_not_import_lightning():
+    code = "import sys, autooffload, autooffload.callback; print('lightning' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+# ---- two DDP ranks over gloo, started by torchrun --------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+)
+def test_ddp_two_ranks_agree_write_their_own_history_and_train_as_plain(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOOFFLOAD_", "ACCELERATE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(TESTS / "lightning_worker.py"), str(tmp_path)]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the two ranks did not finish in 240 s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    directory = Path(ranks[0]["log_dir"]) / "autooffload"
+    assert sorted(p.name for p in directory.iterdir()) == ["history-rank0.jsonl", "history-rank1.jsonl"]
+    histories = [read_history(directory / f"history-rank{rank}.jsonl") for rank in range(2)]
+    for rank, (result, records) in enumerate(zip(ranks, histories, strict=True)):
+        assert result["world_size"] == 2 and result["step"] == 4 and not result["attached"]
+        assert [seq for r in records for seq in r["seq_lens"]] == [pair[rank] for pair in RANK_LENGTHS]
+        assert [r["bytes_moved"] for r in records] == [arithmetic(r) for r in records]
+        assert sum(r["bytes_moved"] for r in records) == result["total_bytes"]
+        assert result["losses"] == result["plain_losses"]
+        assert result["parameters"] == result["plain_parameters"]
+    # One level per micro-batch on both ranks: the long micro-batch of either rank offloads both (rank 0's
+    # first in step 2, rank 1's second in step 4); the other rank took it from the group.
+    levels = [[r["offloaded"] for r in records] for records in histories]
+    assert levels[0] == levels[1] == [[0, 0], [LAYERS, LAYERS], [0, 0], [0, LAYERS]]
+    assert histories[1][1]["reasons"][0] == histories[0][3]["reasons"][1] == "rank_agreement"
+    assert ranks[0]["parameters"] == ranks[1]["parameters"]

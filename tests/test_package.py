@@ -1,0 +1,68 @@
+"""The package as users get it: one version, the command that prints it, the public API's type hints (mypy over
+``[tool.mypy]`` in pyproject.toml, with tests/typecheck_public_api.py as a user's typed code), a changelog entry for
+the version, and the docs' table of releases equal to what this environment holds (``./dev versions``). The wheel
+itself is built and installed into a clean environment by ``./dev test`` (``./dev wheel``), outside pytest."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from releases import ENVIRONMENTS, row
+
+import autooffload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*command: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_version_is_written_once():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "version" not in config["project"] and config["project"]["dynamic"] == ["version"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "autooffload.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?", autooffload.__version__)
+
+
+def test_the_command_prints_the_version():
+    result = run(sys.executable, "-m", "autooffload", "--version", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"autooffload {autooffload.__version__}\n"
+
+
+def test_the_changelog_says_what_this_version_changed():
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    headings = re.findall(r"(?m)^## (\S+)", changelog)
+    release = re.sub(r"\.dev\d+$", "", autooffload.__version__)  # a development version: the release it leads to
+    assert release in headings, headings
+
+
+def test_py_typed_ships_with_the_package():
+    assert (ROOT / "autooffload" / "py.typed").is_file()
+    assert 'autooffload = ["py.typed"]' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (./dev has it in .venv)")
+def test_the_public_api_type_checks():
+    result = run(sys.executable, "-m", "mypy")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.stdout.startswith("Success: no issues found")
+
+
+@pytest.mark.skipif(Path(sys.prefix).name not in ENVIRONMENTS, reason="not one of ./dev's environments")
+def test_the_docs_name_the_releases_this_environment_holds():
+    # ./dev versions prints this row; docs/coverage.md quotes it. Update the docs when a pin moves.
+    expected = row(Path(sys.prefix).name)
+    table = (ROOT / "docs" / "coverage.md").read_text(encoding="utf-8")
+    name = expected.split(" | ")[0]
+    documented = [line for line in table.splitlines() if line.startswith(name + " |")]
+    assert documented == [expected], f"docs/coverage.md has {documented}; ./dev versions prints {expected}"
