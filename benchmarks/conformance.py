@@ -12,8 +12,9 @@ buffers (a :class:`~autooffload.apply.host_memory.HostMemory` that "pins" with n
 on a CPU as they would into pinned memory on a GPU).
 
 What the sweep measures is its own: it wraps torch's checkpoint entry points
-(``torch.utils.checkpoint._checkpoint_without_reentrant_generator`` and ``CheckpointFunction``), which every
-checkpointed call of every stack goes through, and records each grad-enabled call's layer input (its first
+(``torch.utils.checkpoint``'s private functions behind ``checkpoint``, found for the installed torch by a
+probe call: :func:`checkpoint_entry_points`; it stops with an error where it finds none), which every checkpointed
+call of every stack goes through, and records each grad-enabled call's layer input (its first
 positional tensor, once per tensor per forward). With text-only batches only the stacks that consume the
 tokens run (a VLM's vision tower does not), so the calls seen are those of the token stacks (both stacks of an
 encoder-decoder). Checked per type:
@@ -333,6 +334,86 @@ def _owner_name(function: Any) -> str:
     return type(owner).__name__ if owner is not None else getattr(function, "__qualname__", "?")
 
 
+# Where torch's checkpoint hands a call to its implementation, newest first. Private names, which move between
+# releases (torch 2.14's checkpoint calls ``_checkpoint_without_reentrant_generator_impl``; 2.13's the generator
+# without the suffix): each is tried with a probe call, and only the ones that see it are wrapped.
+NON_REENTRANT = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+
+
+def _wrap_generator(original: Any, record: Any) -> Any:
+    """A wrapper of a non-reentrant entry point that records ``(fn, args)``, whatever its signature: ``args`` is
+    its parameter of that name (a ``*args`` in 2.13, a tuple in 2.14), bound to the call as the original would."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def watched(*call_args: Any, **call_kwargs: Any) -> Any:
+        bound = signature.bind(*call_args, **call_kwargs)
+        function = call_args[0] if call_args else call_kwargs.get("fn")
+        record(function, tuple(bound.arguments.get("args", ())))
+        return original(*call_args, **call_kwargs)
+
+    return watched
+
+
+def _wrap_function_class(original: Any, record: Any) -> Any:
+    """A stand-in for ``CheckpointFunction`` (the reentrant path) whose ``apply(fn, preserve, *args)`` records."""
+
+    class WatchedFunction:
+        @staticmethod
+        def apply(fn: Any, preserve: Any, *args: Any) -> Any:
+            record(fn, args)
+            return original.apply(fn, preserve, *args)
+
+    return WatchedFunction
+
+
+_ENTRY_POINTS: list[tuple[str, Any]] | None = None
+
+
+def checkpoint_entry_points() -> list[tuple[str, Any]]:
+    """(name in ``torch.utils.checkpoint``, wrapper factory) of the entry points this torch's ``checkpoint`` really
+    calls, one for each path (non-reentrant, reentrant), found once per process by a probe call through each
+    candidate. Raises ``RuntimeError`` where a path reaches none of them: the sweep cannot count on this torch."""
+    global _ENTRY_POINTS
+    if _ENTRY_POINTS is not None:
+        return _ENTRY_POINTS
+    import torch
+    import torch.utils.checkpoint as cp
+
+    def sees(name: str, make: Any, reentrant: bool) -> bool:
+        seen: list[Any] = []
+        original = getattr(cp, name, None)
+        if original is None:
+            return False
+        setattr(cp, name, make(original, lambda fn, args: seen.append(args)))
+        try:
+            probe = torch.ones(2, requires_grad=True)
+            with torch.enable_grad():
+                cp.checkpoint(torch.sin, probe, use_reentrant=reentrant).sum().backward()
+        except Exception:  # a candidate whose signature this wrapper does not bind
+            return False
+        finally:
+            setattr(cp, name, original)
+        return any(any(a is probe for a in args) for args in seen)
+
+    found = []
+    candidates = [(name, _wrap_generator, False) for name in NON_REENTRANT]
+    candidates.append(("CheckpointFunction", _wrap_function_class, True))
+    for reentrant in (False, True):
+        path = [(name, make) for name, make, kind in candidates if kind == reentrant and sees(name, make, reentrant)]
+        if not path:
+            names = ", ".join(name for name, _, kind in candidates if kind == reentrant)
+            raise RuntimeError(
+                f"torch {torch.__version__}: torch.utils.checkpoint.checkpoint(use_reentrant={reentrant}) reaches none "
+                f"of {names}; the sweep cannot count checkpointed calls on it (add this torch's entry point to "
+                "benchmarks/conformance.py)"
+            )
+        found.append(path[0])
+    _ENTRY_POINTS = found
+    return found
+
+
 class CheckpointCalls:
     """Records every grad-enabled call of torch's checkpoint: its layer input's bytes (the first positional
     tensor, each tensor once per step) and the module class it checkpoints. Wraps the two entry points
@@ -361,26 +442,21 @@ class CheckpointCalls:
 
     @contextlib.contextmanager
     def watching(self):
+        """Record every checkpointed call while inside. The entry points are found for the installed torch
+        (:func:`checkpoint_entry_points`); a torch whose checkpoint reaches none of them raises here, loudly,
+        rather than a sweep that sees no call and judges every row by nothing."""
         import torch.utils.checkpoint as cp
 
-        generator, function_class = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
-        recorder = self
-
-        def watched_generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs):
-            recorder.record(fn, args)
-            return generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs)
-
-        class WatchedFunction:
-            @staticmethod
-            def apply(fn, preserve, *a):
-                recorder.record(fn, a)
-                return function_class.apply(fn, preserve, *a)
-
-        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = watched_generator, WatchedFunction
+        patched = [(name, getattr(cp, name)) for name, _ in checkpoint_entry_points()]
+        patched = [(name, original, make(original, self.record)) for (name, original), (_, make) in
+                   zip(patched, checkpoint_entry_points(), strict=True)]
+        for name, _, watched in patched:
+            setattr(cp, name, watched)
         try:
             yield self
         finally:
-            cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = generator, function_class
+            for name, original, _ in patched:
+                setattr(cp, name, original)
 
     @property
     def bytes(self) -> int:

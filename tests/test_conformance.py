@@ -67,6 +67,21 @@ PLAIN_WITH_WARNING = [
 ]
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_sweep_sees_every_checkpointed_call_of_the_installed_torch(reentrant):
+    """The sweep's count is its own, through torch's private entry points (which moved in torch 2.14): each call
+    of either path is recorded once, with its layer input's bytes."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    recorder = conformance.CheckpointCalls()
+    layer = torch.nn.Linear(4, 4)
+    with recorder.watching():
+        for rows in (3, 5):
+            checkpoint(layer, torch.randn(rows, 4, requires_grad=True), use_reentrant=reentrant).sum().backward()
+    assert [nbytes for _, nbytes in recorder.calls] == [3 * 4 * 4, 5 * 4 * 4]
+
+
 def judged(model_type: str, mapping: str) -> dict:
     """The sweep's row for this type; the test is skipped where this transformers lacks the type or its tiny
     model cannot take a plain checkpointed step."""
