@@ -153,20 +153,25 @@ class OffloadController(Run):
     # ---- the micro-batch: observe, decide, apply -----------------------------------------------------
 
     @guarded("the pre-forward hook")
-    def _enter(self, module: torch.nn.Module, stacks: Sequence[Stack] | None, args: tuple, kwargs: dict) -> None:
-        """A call entered the model (or a stack's entry) inside no other: one micro-batch, decided here for every
-        stack the call runs (``stacks``; None: every planned one)."""
+    def _enter(
+        self, module: torch.nn.Module, stacks: Sequence[Stack] | None, args: tuple, kwargs: dict, deferrable: bool
+    ) -> bool:
+        """A call entered the model (or a stack's entry) inside no other that decided: one micro-batch, decided here
+        for every stack the call runs (``stacks``; None: every planned one). False: the call carries no tokens and a
+        watched entry inside it will (``deferrable``), so the decision is left to that entry."""
         if self.switch is not None:
             self.switch.new_forward()
         if not module.training:
-            return
+            return True
         if not torch.is_grad_enabled():  # a no-grad forward in train mode (TRL's KL forward): decide nothing
             if self.switch is not None and not self.switch.checkpointing_off():
                 self._rebuild_if_replaced()
-            return
+            return True
         planned = list(self.layout.stacks) if self.layout is not None else []
         stacks = planned if stacks is None else list(stacks)
         batch = read_micro_batch(module, stacks, args, kwargs)
+        if batch is None and deferrable:
+            return False
         if batch is None:
             if self.switch is not None and self.switch.layers:
                 self.warn(
@@ -178,6 +183,7 @@ class OffloadController(Run):
         if not self.memory.begun:
             self.begin_step()
         self.before_forward(batch.seq_len, batch.tokens, batch.lengths)
+        return True
 
     def before_forward(self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None) -> int:
         """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded.

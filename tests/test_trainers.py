@@ -295,3 +295,58 @@ def test_grpo_trains_as_decided_on_every_step(tmp_path):
     assert [(active, moved) for _, active, moved in steps.rows] == [
         (0.5, expected_bytes(tokens, layers=2)) for tokens, *_ in steps.rows
     ]
+
+
+# ---- Distillation: the student is called through a redirection ------------------------------------------
+
+
+class BackboneTokens(TrainerCallback):
+    """Per optimizer step, the tokens of the training calls of the student's backbone (``model.model``), which
+    TRL's ``DistillationTrainer`` calls inside a redirected top-level forward that carries no ``input_ids``."""
+
+    def __init__(self, callback: AutoOffloadCallback, net: torch.nn.Module) -> None:
+        self.controller = callback.controller
+        self.rows: list[tuple[int, int]] = []
+        self.records: list = []
+        self._tokens = 0
+        net.model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._tokens += kwargs["input_ids"].numel()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows.append((self._tokens, self.controller.last_step_bytes))
+        self.records.append(self.controller.history[-1])
+        self._tokens = 0
+
+
+@pytest.mark.skipif(not hasattr(trl, "DistillationTrainer"), reason="this TRL has no DistillationTrainer")
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_distillation_decides_where_the_tokens_are(tmp_path, mode):
+    # DistillationTrainer (TRL 1.16) calls model(unwrapped, inputs, n) with the student's forward patched to its
+    # loss: the top model's call has no input_ids; the backbone's call inside it has them.
+    prompts = datasets.Dataset.from_dict({"prompt": [words(6 + i % 3, i) for i in range(8)]})
+    net = model()
+    callback = AutoOffloadCallback(mode=mode, probe=None, seq_high=4, seq_low=2, policy="hysteresis")
+    steps = BackboneTokens(callback, net)
+    trainer = trl.DistillationTrainer(
+        model=net,
+        teacher_model=model(seed=1),
+        args=config(
+            trl.DistillationConfig, tmp_path, 2, {"use_reentrant": False},
+            per_device_train_batch_size=2, max_completion_length=6,
+        ),
+        train_dataset=prompts,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    records = steps.records
+    assert len(steps.rows) == 2 and all(tokens > 0 for tokens, _ in steps.rows)
+    assert [sum(r.tokens) for r in records] == [tokens for tokens, _ in steps.rows]
+    assert all(seq > 4 for r in records for seq in r.seq_lens)  # above seq_high: auto's trigger fires too
+    assert [moved for _, moved in steps.rows] == [expected_bytes(tokens) for tokens, _ in steps.rows]
