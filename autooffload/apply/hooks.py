@@ -6,8 +6,9 @@ encoder-decoder's base model). The entries inside one call (its encoder and deco
 post-forward hook on the module that decided, which runs even when its forward raises, opens the way for the next
 call. A call that carries no tokens while a watched entry lies inside it (TRL's ``DistillationTrainer`` calls the
 top model through a redirection, its loss function as the forward, and the backbone inside it with the tokens)
-is passed by: ``enter`` returns False, and the entry inside decides where the tokens are. With ``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep
-planner knows how many forwards were alive together.
+is passed by: ``enter`` returns False, and the entry inside decides where the tokens are. With
+``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep planner knows
+how many forwards were alive together.
 """
 
 from __future__ import annotations
