@@ -447,11 +447,9 @@ class CheckpointCalls:
         rather than a sweep that sees no call and judges every row by nothing."""
         import torch.utils.checkpoint as cp
 
-        patched = [(name, getattr(cp, name)) for name, _ in checkpoint_entry_points()]
-        patched = [(name, original, make(original, self.record)) for (name, original), (_, make) in
-                   zip(patched, checkpoint_entry_points(), strict=True)]
-        for name, _, watched in patched:
-            setattr(cp, name, watched)
+        patched = [(name, getattr(cp, name), make) for name, make in checkpoint_entry_points()]
+        for name, original, make in patched:
+            setattr(cp, name, make(original, self.record))
         try:
             yield self
         finally:
