@@ -169,21 +169,47 @@ def _depth(config: Any) -> int | None:
 
 
 def _scale_mrope(config: Any) -> None:
-    """A rope section list (Qwen-VL's ``mrope_section``) sums to half the head size: scale it with the head."""
+    """A multimodal rope section list (Qwen-VL's and GLM-4V's ``mrope_section``) sums to half the rotary size (the
+    head size x ``partial_rotary_factor``): scale it with the head. A config whose model falls back to a default
+    section sized for the full head when the list is missing (it names ``mrope_section`` among the rope keys it does
+    not validate) gets the default's proportions (2:3:3) at the tiny size."""
     head = _get(config, "head_dim")
     hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
     if not isinstance(head, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         head = hidden // heads
+    if not isinstance(head, int):
+        return
+    wants = "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()) or _modeling_reads(
+        config, "mrope_section"
+    )
     for attr in ("rope_scaling", "rope_parameters"):
         rope = getattr(config, attr, None)
-        if not isinstance(rope, dict) or not isinstance(head, int):
+        if not isinstance(rope, dict):
             continue
+        partial = rope.get("partial_rotary_factor", _get(config, "partial_rotary_factor"))
+        half = int(head * (partial if isinstance(partial, float) and 0 < partial <= 1 else 1)) // 2
         section = rope.get("mrope_section")
-        if isinstance(section, list) and section and sum(section) != head // 2:
-            total, half = sum(section), head // 2
+        missing = section is None and wants
+        section = [2, 3, 3] if missing else section
+        if isinstance(section, list) and section and (missing or sum(section) != half):
+            total = sum(section)
             scaled = [max(1, s * half // total) for s in section]
             scaled[0] += half - sum(scaled)
             rope["mrope_section"] = scaled
+            with contextlib.suppress(Exception):
+                setattr(config, attr, rope)  # a config may hand out a copy of its rope dict
+
+
+def _modeling_reads(config: Any, key: str) -> bool:
+    """Does the modeling file of ``config``'s family mention ``key``?"""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+        return key in inspect.getsource(module)
+    except Exception:  # no such module, or no source
+        return False
 
 
 def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None = VOCAB) -> Any:
@@ -271,9 +297,13 @@ def tiny_config(model_type: str, sizes: bool = True) -> Any:
             setattr(config, key, False)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
-    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
-        with contextlib.suppress(Exception):
-            config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    if getattr(config, "is_encoder_decoder", False):  # labels are shifted right into decoder inputs: both needed
+        if getattr(config, "pad_token_id", None) is None:
+            with contextlib.suppress(Exception):
+                config.pad_token_id = 0
+        if getattr(config, "decoder_start_token_id", None) is None:
+            with contextlib.suppress(Exception):
+                config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     return config
 
 
@@ -295,7 +325,8 @@ def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
         return {"input_ids": ids(SOURCE), "labels": ids(TARGET)}
     if mapping == "speech":
         main = getattr(model, "main_input_name", "input_features")
-        if main == "input_values":
+        encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+        if main == "input_values" or getattr(encoder, "main_input_name", None) == "input_values":  # raw audio
             source = torch.randn(BATCH, 16 * SOURCE * 10, generator=generator)
         elif isinstance(getattr(config, "num_mel_bins", None), int):
             source = torch.randn(BATCH, config.num_mel_bins, SOURCE, generator=generator)
@@ -694,7 +725,8 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         if on.moved == measured and measured > 0:
             if partial.arithmetic is None or partial.moved != round(partial.arithmetic):
                 problems.append(f"partial: moved {partial.moved} != arithmetic {partial.arithmetic}")
-            chosen = [plain.per_module.get(id(module)) for module in partial.offloaded]
+            # a layer that did not run (a vision tower on a text-only batch) holds nothing
+            chosen = [None if module is None else plain.per_module.get(id(module), 0) for module in partial.offloaded]
             if partial.offloaded and None not in chosen:
                 if partial.moved != sum(chosen):
                     problems.append(

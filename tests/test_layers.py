@@ -373,14 +373,25 @@ def vlm_plain(tmp_path_factory):
     return run(tmp_path_factory.mktemp("plain"), qwen2_5_vl(), Batches(VLM_BATCHES), collate, mode="off")
 
 
-@pytest.mark.parametrize(("callback_args", "level"), [({"mode": "on"}, LAYERS), ({"policy": Fixed(2)}, 2)])
-def test_a_vlm_plans_over_its_language_layers_with_and_without_an_image(tmp_path, vlm_plain, callback_args, level):
+VISION_BLOCKS, PATCHES, VISION_HIDDEN = 4, 16, 16
+
+
+@pytest.mark.parametrize(
+    ("callback_args", "level"), [({"mode": "on"}, VISION_BLOCKS + LAYERS), ({"policy": Fixed(2)}, 2)]
+)
+def test_a_vlm_plans_its_vision_blocks_and_its_language_layers(tmp_path, vlm_plain, callback_args, level):
+    # The vision blocks run only on the image batch, on its 16 patches (hidden 16), sized from pixel_values; the
+    # partial level offloads language layers first: on the first image batch the blocks' bytes are not known yet.
     net = qwen2_5_vl()
     assert getattr(net.config, "hidden_size", None) is None  # the text config has it
     result = run(tmp_path, net, Batches(VLM_BATCHES), collate, **callback_args)
     steps, _, _, layers = result
-    assert [slot.target.stack.rpartition(".")[2] for slot in layers] == ["layers"] * LAYERS
-    assert steps == [(level, level * layer_bytes(seq)) for _, seq in VLM_BATCHES]
+    assert [slot.target.stack.rpartition(".")[2] for slot in layers] == ["blocks"] * VISION_BLOCKS + ["layers"] * LAYERS
+    vision = VISION_BLOCKS * PATCHES * VISION_HIDDEN * 4 if level > LAYERS else 0
+    expected = [
+        (level, min(level, LAYERS) * layer_bytes(seq) + (vision if kind == "image" else 0)) for kind, seq in VLM_BATCHES
+    ]
+    assert steps == expected
     assert_same_training(result, vlm_plain)
 
 
@@ -391,7 +402,7 @@ def test_a_vlm_first_guess_of_bytes_per_layer_uses_the_text_config():
     controller = OffloadController(Settings(), probe=None)
     controller.attach(net)
     assert controller.sizes.token_bytes == HIDDEN * 4
-    assert len(controller.switch.layers) == LAYERS
+    assert len(controller.switch.layers) == VISION_BLOCKS + LAYERS
     controller.detach()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..observe.sources import input_shape
 from ..observe.targets import CheckpointTarget
 
 
@@ -23,8 +24,9 @@ class ForwardState:
     layer was called under grad (``counts``, since the last :meth:`take_counts`). The controller's
     pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision.
 
-    ``on_first_call(position, nbytes)``, when set, hears the bytes of each planned layer's input (its first
-    positional tensor, what :meth:`claim` hands to the engine; 0 when the call has none) at its first
+    ``on_first_call(position, nbytes, shape)``, when set, hears the bytes of each planned layer's input (its first
+    positional tensor, what :meth:`claim` hands to the engine; 0 when the call has none) and its (sequence length,
+    tokens) at its first
     grad-enabled call after a take: the size a layer input really has (a source padded to a block size,
     ProphetNet's n-gram streams, a speech pre-net's frames), which no token count read before the forward
     says exactly."""
@@ -34,7 +36,7 @@ class ForwardState:
         self.calls: list[LayerCalls] = []
         self.counts = [0] * layers
         self.calls_per_forward = [1] * layers  # per layer, its latest count of calls that was not 0
-        self.on_first_call: Callable[[int, int], None] | None = None
+        self.on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None
 
     def new_forward(self) -> None:
         self.moved.clear()
@@ -59,7 +61,7 @@ class ForwardState:
             if self.counts[position] == 0 and self.on_first_call is not None:
                 layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
                 nbytes = 0 if layer_input is None else layer_input.numel() * layer_input.element_size()
-                self.on_first_call(position, nbytes)
+                self.on_first_call(position, nbytes, None if layer_input is None else input_shape(layer_input))
             self.counts[position] += 1
 
         return counted

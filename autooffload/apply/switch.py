@@ -107,7 +107,7 @@ class CheckpointSwitch:
         warn: WarnOnce | None = None,
         host: HostMemory | None = None,
         watched: list[tuple[torch.nn.Module, str]] | None = None,
-        on_first_call: Callable[[int, int], None] | None = None,
+        on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None,
         on_measured: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.targets = targets
@@ -202,7 +202,7 @@ class CheckpointSwitch:
         self.offloaded, self.kept, self.measuring, self.order = k, keep, measure, order
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
 
-    def _first_call(self, position: int, nbytes: int) -> None:
+    def _first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no
         tensor positionally (its hidden states go as a keyword argument), which nothing can move."""
         if nbytes == 0:
@@ -214,7 +214,7 @@ class CheckpointSwitch:
                 "input can move to host memory, so autooffload counts it as freeing nothing",
             )
         if self.on_first_call is not None:
-            self.on_first_call(position, nbytes)
+            self.on_first_call(position, nbytes, shape)
 
     @property
     def offloading(self) -> frozenset[int]:
