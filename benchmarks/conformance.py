@@ -345,6 +345,24 @@ def _first_tensor(args: tuple) -> Any:
     return next((a for a in args if isinstance(a, torch.Tensor)), None)
 
 
+def _storage(tensor: Any) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr() or id(tensor)
+    except Exception:  # no storage of its own (a tensor subclass)
+        return id(tensor)
+
+
+def _own(tensor: Any) -> bool:
+    """An activation with a storage of its own: floating-point, requiring grad, the whole of its storage."""
+    try:
+        whole = (
+            tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        )
+    except Exception:
+        return False
+    return tensor.is_floating_point() and tensor.requires_grad and whole
+
+
 def _owner(function: Any) -> Any:
     """The module a checkpointed function belongs to: a bound method's, or the first argument of a partial over a
     plain ``forward`` (Dory's layers); None where neither."""
@@ -446,30 +464,46 @@ def checkpoint_entry_points() -> list[tuple[str, Any]]:
 
 
 class CheckpointCalls:
-    """Records every grad-enabled call of torch's checkpoint: its layer input's bytes (the first positional
-    tensor, each tensor once per step) and the module class it checkpoints. Wraps the two entry points
-    ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a
-    container's loop) is seen, without reading autooffload."""
+    """Records every grad-enabled call of torch's checkpoint: the bytes of what belongs to that layer alone (its
+    input, the first positional tensor, each tensor once per step; and every other positional tensor that is an
+    activation, floating-point and requiring grad, whose storage no other call receives: ZAYA's router states,
+    Pegasus-X's global tokens; not an encoder's states every decoder layer receives, T5's position bias, masks, or
+    slices of one tensor that holds every layer's) and the module class it checkpoints. Wraps the two entry points
+    ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a container's
+    loop) is seen, without reading autooffload. What is shared is known at the end: :meth:`finish` counts."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
         self.per_module: dict[int, int] = {}  # bytes of every call of one module (a layer called twice: both)
+        self.extras = 0  # bytes of second activations of a layer's own, among those of ``calls``
         self._seen: list[weakref.ref] = []
+        self._recorded: list[tuple[str, int, int, list[Any]]] = []  # owner, key, input bytes, other tensors
+        self._storages: dict[int, int] = {}  # storage -> calls that receive it
 
     def record(self, function: Any, args: tuple) -> None:
         import torch
 
         if not torch.is_grad_enabled():
             return
-        tensor = _first_tensor(args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        for storage in {_storage(t) for t in tensors}:
+            self._storages[storage] = self._storages.get(storage, 0) + 1
+        tensor = tensors[0] if tensors else None
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
         if tensor is not None and any(ref() is tensor for ref in self._seen):
             return
         if tensor is not None:
             self._seen.append(weakref.ref(tensor))
-        self.calls.append((_owner_name(function), nbytes))
-        key = id(_owner(function) or function)
-        self.per_module[key] = self.per_module.get(key, 0) + nbytes
+        self._recorded.append((_owner_name(function), id(_owner(function) or function), nbytes, tensors[1:]))
+
+    def finish(self) -> None:
+        """Count what was recorded: a second tensor is a layer's own where no other call received its storage."""
+        for name, key, nbytes, others in self._recorded:
+            own = sum(t.numel() * t.element_size() for t in others if _own(t) and self._storages[_storage(t)] == 1)
+            self.extras += own
+            self.calls.append((name, nbytes + own))
+            self.per_module[key] = self.per_module.get(key, 0) + nbytes + own
+        self._recorded, self._storages = [], {}
 
     @contextlib.contextmanager
     def watching(self):
@@ -486,6 +520,7 @@ class CheckpointCalls:
         finally:
             for name, original, _ in patched:
                 setattr(cp, name, original)
+            self.finish()
 
     @property
     def bytes(self) -> int:
@@ -508,6 +543,7 @@ class StepResult:
     grads: dict[str, Any] = dataclasses.field(default_factory=dict)
     calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     per_module: dict[int, int] = dataclasses.field(default_factory=dict)
+    extras: int = 0  # of the bytes of ``calls``, second activations of a layer's own
     layers: int | None = None
     moved: int | None = None
     arithmetic: float | None = None
@@ -616,7 +652,7 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
                     controller.end_step()
                     result.moved_again = controller.history[-1].bytes_moved if controller.history else None
                 controller.detach()
-        result.calls, result.per_module = recorder.calls, recorder.per_module
+        result.calls, result.per_module, result.extras = recorder.calls, recorder.per_module, recorder.extras
         result.warnings = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
         result.logs = [f"{r.levelname}: {r.getMessage()}" for r in handler.records]
         result.warnings += [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING]
@@ -677,6 +713,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         return _finish(row, start)
     row["params"] = sum(p.numel() for p in model.parameters())
     row["calls"] = len(plain.calls)
+    row["extras"] = plain.extras
     row["call_owners"] = sorted({o for o, _ in plain.calls})
     row["measured"] = plain.bytes if hasattr(plain, "bytes") else sum(n for _, n in plain.calls)
     problems: list[str] = []

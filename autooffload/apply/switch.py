@@ -5,8 +5,9 @@ its function in its attribute; a *container* (a model file that calls ``self._gr
 ...)`` once per layer) gets a dispatcher (:class:`LayerCalls`) that runs call i with layer i's function,
 counting from 0 again at every forward of the container (a pre-forward hook on it) and of the attached model. A
 layer module that runs several times in one forward (HRM's cycles) runs its function at every call, and every
-call under grad is counted (:class:`ForwardState`). Of a layer call's saved inputs only the layer input moves
-(its first positional tensor): masks, position ids and position embeddings that reach the checkpoint as
+call under grad is counted (:class:`ForwardState`). Of a layer call's saved inputs only the layer's own move (its
+first positional tensor, and a second activation of its own: :mod:`.layer_inputs`): masks, position ids, position
+embeddings and what several layers share that reach the checkpoint as
 positional arguments stay, and so does an input already moved in the same forward.
 
 Each module gets functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint kwargs, less
@@ -71,11 +72,10 @@ def _offload_function(
     counted = forward.counter(position)
 
     def checkpoint_offload(function, *args, **call_kwargs):
-        counted(args)
-        layer_input = forward.claim(args)
-        if layer_input is None:
+        inputs = forward.claim(counted(args))
+        if not inputs:
             return checkpoint(function, *args, **kwargs, **call_kwargs)
-        with engine.hooks(last, layer_input):
+        with engine.hooks(last, inputs):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload

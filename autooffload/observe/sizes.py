@@ -48,6 +48,7 @@ class LayerSizes:
     def __init__(self) -> None:
         self.token_bytes: float | None = None  # a layer input's bytes per token: the config's, then measured
         self.widths: dict[str, float] = {}  # each stack's layer input per token, relative to token_bytes
+        self.layer_widths: dict[int, float] = {}  # the same per layer, where its first call showed it
         self.config_widths: dict[str, float] = {}  # the same from the config: what a new run starts with
         self.guess: float | None = None  # token_bytes from the config of the attached model (None: detached)
         self.layer_stacks: tuple[str, ...] = ()
@@ -72,18 +73,21 @@ class LayerSizes:
         self.inputless = set()
         self.guess = layout.token_bytes if layout.targets else self.guess
         self.token_bytes = self.token_bytes or self.guess
-        self.layer_stacks = layout.layer_stacks
+        self.layer_stacks = stacks = layout.layer_stacks
         self.measured = {stack.name: stack.role for stack in layout.stacks if stack.sources}
-        stacks = self.layer_stacks
-        kept = {p: r for p, r in self.source_bytes.items() if p < len(stacks) and stacks[p] in self.measured}
-        self.source_bytes = kept
-        self.source_shape = {name: shape for name, shape in self.source_shape.items() if name in self.measured}
-        self.first_layer = {}
-        for position, stack in enumerate(self.layer_stacks):
-            self.first_layer.setdefault(stack, position)
         self.config_widths = dict(layout.widths)
         learned = {name: width for name, width in self.widths.items() if name in self.config_widths}
         self.widths = {**self.config_widths, **learned}
+
+        def kept(position: int, measured: bool) -> bool:
+            return position < len(stacks) and (stacks[position] in self.measured) == measured
+
+        self.source_bytes = {p: ratio for p, ratio in self.source_bytes.items() if kept(p, True)}
+        self.layer_widths = {p: width for p, width in self.layer_widths.items() if kept(p, False)}
+        self.source_shape = {name: shape for name, shape in self.source_shape.items() if name in self.measured}
+        self.first_layer = {}
+        for position, stack in enumerate(stacks):
+            self.first_layer.setdefault(stack, position)
         self.running = None
 
     def detach(self) -> None:
@@ -94,7 +98,7 @@ class LayerSizes:
         """A new run: the config's guesses, nothing running, nothing counted."""
         self.token_bytes = self.guess
         self.widths = dict(self.config_widths)
-        self.source_bytes, self.source_shape = {}, {}
+        self.source_bytes, self.source_shape, self.layer_widths = {}, {}, {}
         self.batch, self.planned_layer_bytes, self.bytes_per_layer, self.running = None, None, None, None
         self.step_layer_tokens, self.reported = 0.0, False
 
@@ -119,7 +123,8 @@ class LayerSizes:
         if stack in self.measured:
             learned = self.source_bytes.get(position)
             return learned * batch.sources.get(stack, 0) / unit if learned is not None and unit else 0.0
-        return batch.lengths.get(stack, (0, 0))[1] * self.widths.get(stack, 1.0)
+        width = self.layer_widths.get(position, self.widths.get(stack, 1.0))
+        return batch.lengths.get(stack, (0, 0))[1] * width
 
     def _complete(self, batch: MicroBatch) -> MicroBatch:
         """``batch`` with the lengths of the stacks sized from a raw input, from its elements and what their first
@@ -158,10 +163,12 @@ class LayerSizes:
             tokens = self.batch.lengths.get(stack, (0, 0))[1] if self.batch is not None else 0
             if tokens > 0 and nbytes > 0:
                 first = next((s for s in self.layer_stacks if s not in self.measured), None)
-                if not moved_any and stack == first:
+                if not moved_any and stack == first and position == self.first_layer.get(stack):
                     self.token_bytes = nbytes / (tokens * self.widths.get(stack, 1.0))
                 elif self.token_bytes:
                     self.widths[stack] = nbytes / (tokens * self.token_bytes)
+                if self.token_bytes:  # a layer may hold more than its stack's width (a second activation)
+                    self.layer_widths[position] = nbytes / (tokens * self.token_bytes)
         if self.running is not None and self.token_bytes:
             self.running[1][position] = nbytes / self.token_bytes
             self.reported |= position in self.running[0]
@@ -200,6 +207,8 @@ class LayerSizes:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"layer_token_bytes": self.token_bytes, "stack_width": dict(self.widths)}
+        if self.layer_widths:
+            state["layer_width"] = {str(position): width for position, width in self.layer_widths.items()}
         if self.source_bytes:
             state["source_bytes"] = {str(position): ratio for position, ratio in self.source_bytes.items()}
             state["source_shape"] = {name: list(shape) for name, shape in self.source_shape.items()}
@@ -211,6 +220,9 @@ class LayerSizes:
         if isinstance(widths, dict):  # before attach every name; after, those of the planned stacks
             known = self.config_widths or widths
             self.widths.update({str(name): float(width) for name, width in widths.items() if name in known})
+        layer_widths = state.get("layer_width")
+        if isinstance(layer_widths, dict):
+            self.layer_widths = {int(position): float(width) for position, width in layer_widths.items()}
         learned, shapes = state.get("source_bytes"), state.get("source_shape")
         if isinstance(learned, dict) and isinstance(shapes, dict):
             self.source_bytes = {int(position): float(ratio) for position, ratio in learned.items()}

@@ -1,0 +1,98 @@
+"""A layer's second activation of its own moves with its input; what several layers share stays.
+
+A tiny model whose layers (torch's ``CheckpointWrapper``) take ``(hidden, own, shared)`` positionally: ``own`` is
+made by the layer before for this layer alone (as ZAYA's router states and Pegasus-X's global tokens are), ``shared``
+is one tensor every layer receives (as an encoder's states are). Bytes moved must be every layer's hidden and own
+tensor, from the first step on, and equal autooffload's arithmetic; losses and gradients equal plain checkpointing's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from autooffload import OffloadController, Settings
+
+LAYERS, HIDDEN, OWN, VOCAB, BATCH, SEQ = 3, 32, 8, 64, 2, 16
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.read_own = torch.nn.Linear(OWN, HIDDEN)
+        self.read_shared = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.make_own = torch.nn.Linear(HIDDEN, OWN)
+
+    def forward(self, hidden, own, shared):
+        hidden = hidden + self.mix(hidden).tanh() * self.read_own(own).sigmoid() + self.read_shared(shared).tanh()
+        return hidden, self.make_own(hidden)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.first_own = torch.nn.Linear(HIDDEN, OWN)
+        self.shared = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.layers = torch.nn.ModuleList(checkpoint_wrapper(Layer(), preserve_rng_state=False) for _ in range(LAYERS))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        own, shared = self.first_own(hidden), self.shared(hidden)
+        for layer in self.layers:
+            hidden, own = layer(hidden, own, shared)
+        return hidden.pow(2).mean()
+
+
+def steps(mode: str | None, level: int | None = None):
+    class Fixed:
+        def decide(self, observation):
+            return level
+
+    net = Net()
+    net.train()
+    controller = None
+    if mode is not None:
+        controller = OffloadController(Settings(mode=mode), probe=None, policy=Fixed() if level else None)
+        controller.attach(net)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    moved, arithmetic, grads = [], [], []
+    for _ in range(2):
+        net.zero_grad()
+        loss = net(ids)
+        loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        if controller is not None:
+            arithmetic.append(controller.planned_bytes())
+            controller.end_step()
+            moved.append(controller.last_step_bytes)
+    return moved, arithmetic, grads
+
+
+def per_layer() -> int:
+    return BATCH * SEQ * (HIDDEN + OWN) * 4
+
+
+def test_every_layer_moves_its_input_and_its_own_second_activation_and_the_shared_tensor_stays():
+    _, _, reference = steps(None)
+    moved, arithmetic, grads = steps("on")
+    assert moved == [LAYERS * per_layer()] * 2
+    assert arithmetic == moved
+    assert all(
+        torch.equal(a, b)
+        for step, plain in zip(grads, reference, strict=True)
+        for a, b in zip(step, plain, strict=True)
+    )
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_partial_level_counts_each_layers_own_activation(level):
+    moved, arithmetic, _ = steps("auto", level)
+    assert moved == [level * per_layer()] * 2
+    assert arithmetic == moved
