@@ -250,10 +250,16 @@ def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None 
                 config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         _scale_mrope(config)
     current = _get(config, "vocab_size")
+    limit = None
     if vocab is not None and isinstance(current, int) and current > vocab:
         with contextlib.suppress(Exception):
             config.vocab_size = vocab
-        taken = set()
+        limit = vocab
+    elif vocab is not None and current is None and _sub_configs(config):  # a VLM's image token: in the text's
+        limit = text_vocab(config)
+    if limit is not None:
+        taken = set().union(*(special_ids(sub) for _, sub in _sub_configs(config)))
+        vocab = limit
         free = vocab - 1
         for key, value in sorted(vars(config).items()):
             if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int):
@@ -287,6 +293,19 @@ def text_vocab(config: Any) -> int | None:
     return min(sizes) if sizes else None
 
 
+def _fit_image_tokens(config: Any) -> None:
+    """A config that pools the vision tower's patches to ``mm_tokens_per_image`` (Gemma-3) must ask for no more
+    tokens per side than its default image has patches per side (Gemma-3's default pairs 224-pixel images of
+    16-pixel patches with 256 tokens): pool 2x2 where it would pool by 0."""
+    tokens, vision = _get(config, "mm_tokens_per_image"), _get(config, "vision_config")
+    size, patch = _get(vision, "image_size"), _get(vision, "patch_size")
+    if isinstance(tokens, int) and isinstance(size, int) and isinstance(patch, int) and patch > 0:
+        side = size // patch
+        if round(tokens**0.5) > side:
+            with contextlib.suppress(Exception):
+                config.mm_tokens_per_image = (side // 2) ** 2
+
+
 def tiny_config(model_type: str, sizes: bool = True) -> Any:
     from transformers import AutoConfig
 
@@ -297,6 +316,7 @@ def tiny_config(model_type: str, sizes: bool = True) -> Any:
             setattr(config, key, False)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
+    _fit_image_tokens(config)
     if getattr(config, "is_encoder_decoder", False):  # labels are shifted right into decoder inputs: both needed
         if getattr(config, "pad_token_id", None) is None:
             with contextlib.suppress(Exception):
@@ -310,7 +330,8 @@ def tiny_config(model_type: str, sizes: bool = True) -> Any:
 # ---- batches and one step --------------------------------------------------------------------------------
 
 
-def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
+def token_sampler(config: Any) -> Any:
+    """``ids(length)``: ``[BATCH, length]`` random text ids of the config's vocabulary, no special token among them."""
     import torch
 
     vocab = text_vocab(config) or VOCAB
@@ -320,6 +341,15 @@ def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
 
     def ids(length: int) -> torch.Tensor:
         return allowed[torch.randint(len(allowed), (BATCH, length), generator=generator)]
+
+    return ids
+
+
+def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
+    import torch
+
+    ids = token_sampler(config)
+    generator = torch.Generator().manual_seed(1)
 
     if mapping == "seq2seq":
         return {"input_ids": ids(SOURCE), "labels": ids(TARGET)}
@@ -680,6 +710,29 @@ def _subset_sums(sizes: list[int], k: int) -> set[int] | None:
     return {sum(c) for c in itertools.combinations(sizes, k)}
 
 
+def _with_images(model: Any, config: Any, batch: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """An image batch for a model that takes ``pixel_values`` (:mod:`media_batches`) where one builds and takes a
+    plain checkpointed step; else ``batch`` (text only), with the reason in the row."""
+    import inspect
+
+    import media_batches
+
+    if "pixel_values" not in inspect.signature(model.forward).parameters:
+        return batch
+    state = copy.deepcopy(model.state_dict())
+    try:
+        images = media_batches.image_batch(model, config, token_sampler(config), SEQ, BATCH)
+        train_step(model, images, "plain")
+    except Exception as error:
+        row["batch"] = f"text only (image batch: {type(error).__name__}: {str(error)[:160]})"
+        return batch
+    finally:
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+    row["batch"] = "image"
+    return images
+
+
 def check_type(model_type: str, mapping: str) -> dict[str, Any]:
     """Build, run plain/on/partial, and judge one model type. Runs in the child process."""
 
@@ -700,6 +753,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             model.gradient_checkpointing_enable()
             batch = make_batch(model, config, mapping)
             state = copy.deepcopy(model.state_dict())
+            batch = _with_images(model, config, batch, row)
             train_step(model, batch, "plain")  # a first forward may change the model (BigBird's attention type)
             model.load_state_dict(state)
             model.zero_grad(set_to_none=True)
