@@ -200,6 +200,46 @@ def _scale_mrope(config: Any) -> None:
                 setattr(config, attr, rope)  # a config may hand out a copy of its rope dict
 
 
+def _fill_unset(config: Any) -> None:
+    """Sizes a config declares but leaves unset (None) for its model to read as a number: the head size, the
+    key-value heads, the experts per token, the layer types (DeepSeek-V2, Hunyuan, Ministral, Nemotron, LFM2-MoE)."""
+    values = vars(config)
+    hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+    depth = _depth(config)
+    fills: dict[str, Any] = {}
+    if "head_dim" in values and values["head_dim"] is None and isinstance(hidden, int) and isinstance(heads, int):
+        fills["head_dim"] = hidden // heads
+    if "num_key_value_heads" in values and values["num_key_value_heads"] is None and isinstance(heads, int):
+        fills["num_key_value_heads"] = heads
+    expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
+    if "moe_intermediate_size" in values:  # Dots1 leaves its expert counts unset
+        for key in expert_keys:
+            if key in values and values[key] is None:
+                fills[key] = SIZE_KEYS[key]
+        if "n_shared_experts" in values and values["n_shared_experts"] is None:
+            fills["n_shared_experts"] = 1
+    experts = any(isinstance(values.get(key), int) or key in fills for key in expert_keys)
+    if experts and "num_experts_per_tok" in values and values["num_experts_per_tok"] is None:
+        fills["num_experts_per_tok"] = SIZE_KEYS["num_experts_per_tok"]
+    if "layer_types" in values and values["layer_types"] is None and isinstance(depth, int):
+        other = "conv" if _modeling_reads(config, '"conv"') else "full_attention"
+        fills["layer_types"] = [other] * (depth - 1) + ["full_attention"]
+    ssm_heads, ssm_head = values.get("mamba_n_heads"), values.get("mamba_d_head")
+    if isinstance(values.get("mamba_d_ssm"), int) and isinstance(ssm_heads, int) and isinstance(ssm_head, int):
+        fills["mamba_d_ssm"] = ssm_heads * ssm_head  # Falcon-H1's SSM width is its heads x head size
+    for key, value in fills.items():
+        with contextlib.suppress(Exception):
+            setattr(config, key, value)
+    attention = _get(config, "attn_config")  # DBRX's attention config reads a rope_theta it does not have
+    rope = _get(config, "rope_parameters")
+    if attention is not None and _get(attention, "rope_theta") is None and isinstance(rope, dict):
+        with contextlib.suppress(Exception):
+            attention.rope_theta = rope.get("rope_theta", 10000.0)
+    if attention is not None and "clip_qkv" in vars(attention) and attention.clip_qkv is None:
+        with contextlib.suppress(Exception):
+            attention.clip_qkv = 8.0  # DBRX clamps with it unconditionally
+
+
 def _modeling_reads(config: Any, key: str) -> bool:
     """Does the modeling file of ``config``'s family mention ``key``?"""
     import importlib
@@ -249,6 +289,13 @@ def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None 
             with contextlib.suppress(Exception):
                 config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         _scale_mrope(config)
+        _fill_unset(config)
+    text = _get(config, "text_config")
+    for _, sub in _sub_configs(config):  # a vision tower's output feeds the text stack: the text's width
+        for key in ("out_hidden_size", "text_hidden_size"):
+            if sizes and text is not None and sub is not text and isinstance(_get(sub, key), int):
+                with contextlib.suppress(Exception):
+                    setattr(sub, key, _get(text, "hidden_size"))
     current = _get(config, "vocab_size")
     limit = None
     if vocab is not None and isinstance(current, int) and current > vocab:
@@ -317,6 +364,13 @@ def tiny_config(model_type: str, sizes: bool = True) -> Any:
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
     _fit_image_tokens(config)
+    vocab, taken = text_vocab(config), special_ids(config)
+    for key in ("image_token_id", "audio_token_id"):  # set by the processor where the config leaves it unset
+        if key in vars(config) and getattr(config, key) is None and isinstance(vocab, int):
+            free = next(i for i in range(vocab - 2, 0, -1) if i not in taken)
+            taken.add(free)
+            with contextlib.suppress(Exception):
+                setattr(config, key, free)
     if getattr(config, "is_encoder_decoder", False):  # labels are shifted right into decoder inputs: both needed
         if getattr(config, "pad_token_id", None) is None:
             with contextlib.suppress(Exception):
@@ -351,6 +405,9 @@ def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
     ids = token_sampler(config)
     generator = torch.Generator().manual_seed(1)
 
+    if mapping in ENCODER_DECODER and getattr(config, "is_encoder_decoder", False) is not True:
+        batch = ids(SEQ)  # an audio language model in a seq2seq mapping: text, its labels the same tokens
+        return {"input_ids": batch, "labels": batch.clone()}
     if mapping == "seq2seq":
         return {"input_ids": ids(SOURCE), "labels": ids(TARGET)}
     if mapping == "speech":
@@ -710,27 +767,33 @@ def _subset_sums(sizes: list[int], k: int) -> set[int] | None:
     return {sum(c) for c in itertools.combinations(sizes, k)}
 
 
-def _with_images(model: Any, config: Any, batch: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
-    """An image batch for a model that takes ``pixel_values`` (:mod:`media_batches`) where one builds and takes a
-    plain checkpointed step; else ``batch`` (text only), with the reason in the row."""
+def _with_media(model: Any, config: Any, batch: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """An image batch for a model that takes ``pixel_values``, an audio batch for an audio language model that
+    takes ``input_features`` (:mod:`media_batches`), where one builds and takes a plain checkpointed step; else
+    ``batch`` (text only), with the reason in the row."""
     import inspect
 
     import media_batches
 
-    if "pixel_values" not in inspect.signature(model.forward).parameters:
+    parameters = inspect.signature(model.forward).parameters
+    if "pixel_values" in parameters:
+        kind, build = "image", lambda: media_batches.image_batch(model, config, token_sampler(config), SEQ, BATCH)
+    elif "input_features" in parameters and getattr(config, "is_encoder_decoder", False) is not True:
+        kind, build = "audio", lambda: media_batches.audio_batch(model, config, token_sampler(config), SEQ, BATCH, 96)
+    else:
         return batch
     state = copy.deepcopy(model.state_dict())
     try:
-        images = media_batches.image_batch(model, config, token_sampler(config), SEQ, BATCH)
-        train_step(model, images, "plain")
+        media = build()
+        train_step(model, media, "plain")
     except Exception as error:
-        row["batch"] = f"text only (image batch: {type(error).__name__}: {str(error)[:160]})"
+        row["batch"] = f"text only ({kind} batch: {type(error).__name__}: {str(error)[:160]})"
         return batch
     finally:
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)
-    row["batch"] = "image"
-    return images
+    row["batch"] = kind
+    return media
 
 
 def check_type(model_type: str, mapping: str) -> dict[str, Any]:
@@ -753,7 +816,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             model.gradient_checkpointing_enable()
             batch = make_batch(model, config, mapping)
             state = copy.deepcopy(model.state_dict())
-            batch = _with_images(model, config, batch, row)
+            batch = _with_media(model, config, batch, row)
             train_step(model, batch, "plain")  # a first forward may change the model (BigBird's attention type)
             model.load_state_dict(state)
             model.zero_grad(set_to_none=True)

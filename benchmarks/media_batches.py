@@ -86,6 +86,8 @@ def image_batch(model: Any, config: Any, ids: Any, seq: int, batch: int) -> dict
         extra["image_grid_thw"] = grid
     else:
         size = _int(_get(vision, "image_size")) or 224
+        if size > 16 * patch and "image_sizes" in parameters:  # a tower of any image size (Pixtral's): a small one
+            size = 16 * patch
         pixels = torch.randn(batch, channels, size, size, generator=generator)
     inner = getattr(model, "model", model)
     features = getattr(inner, "get_image_features", None) or getattr(model, "get_image_features", None)
@@ -98,10 +100,13 @@ def image_batch(model: Any, config: Any, ids: Any, seq: int, batch: int) -> dict
         with torch.no_grad():
             try:
                 count = _count(features(pixel_values=pixels, **extra))
-            except Exception:
-                if not sizes or "image_sizes" not in parameters:
+            except Exception as error:
+                if sizes and "image_sizes" in parameters:
+                    extra.update(sizes)  # LLaVA-Next and Pixtral-style towers: each image's size
+                elif pixels.dim() == 4 and "expected 5" in str(error):
+                    pixels = pixels[:, None]  # Idefics-style: [batch, images, channels, height, width]
+                else:
                     raise
-                extra.update(sizes)  # LLaVA-Next and Pixtral-style towers: each image's size
                 count = _count(features(pixel_values=pixels, **extra))
     finally:
         model.train(was)
@@ -119,3 +124,48 @@ def image_batch(model: Any, config: Any, ids: Any, seq: int, batch: int) -> dict
     if "mm_token_type_ids" in parameters:
         out["mm_token_type_ids"] = (input_ids == token).long()
     return out
+
+
+AUDIO_TOKEN_KEYS = ("audio_token_id", "audio_token_index")
+
+
+def audio_batch(model: Any, config: Any, ids: Any, seq: int, batch: int, frames: int) -> dict[str, Any]:
+    """A batch of ``batch`` rows, each one clip of ``frames`` mel frames and ``seq`` text tokens, for an audio
+    language model (Qwen2-Audio, Voxtral, ...): as many audio tokens as its ``get_audio_features`` makes."""
+    import torch
+
+    parameters = inspect.signature(model.forward).parameters
+    if "input_features" not in parameters:
+        raise ValueError("its forward takes no input_features")
+    token = None
+    for key in AUDIO_TOKEN_KEYS:
+        for where in (config, _get(config, "text_config")):
+            token = token if token is not None else (_int(_get(where, key)) if where is not None else None)
+    audio = _get(config, "audio_config")
+    mels = _int(_get(audio, "num_mel_bins")) if audio is not None else None
+    if token is None or mels is None:
+        raise ValueError("no audio token id or no audio config with num_mel_bins")
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(batch, mels, frames, generator=generator)
+    extra: dict[str, Any] = {}
+    if "feature_attention_mask" in parameters:
+        extra["feature_attention_mask"] = torch.ones(batch, frames, dtype=torch.long)
+    inner = getattr(model, "model", model)
+    get = getattr(inner, "get_audio_features", None) or getattr(model, "get_audio_features", None)
+    if get is None:
+        raise ValueError("no get_audio_features")
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            count = _count(get(input_features=features, **extra))
+    finally:
+        model.train(was)
+    if count % batch:
+        raise ValueError(f"{count} audio features for {batch} clips")
+    text = ids(seq)
+    placeholders = torch.full((batch, count // batch), token, dtype=text.dtype)
+    input_ids = torch.cat([text[:, :2], placeholders, text[:, 2:]], dim=1)
+    labels = input_ids.clone()
+    labels[input_ids == token] = -100
+    return {"input_ids": input_ids, "labels": labels, "input_features": features, **extra}

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import conformance
@@ -69,6 +70,8 @@ SUBSET = [
     ("pegasus_x", "seq2seq"),
 ]
 SECOND_ACTIVATIONS = {"zaya", "pegasus_x"}
+# fine-tuned with images or audio, their vision or audio tower checkpointed (issue 28): swept with such a batch
+MEDIA_SUBSET = [("qwen2_vl", "image-text", "image"), ("gemma3", "image-text", "image"), ("voxtral", "seq2seq", "audio")]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -84,6 +87,17 @@ def test_the_sweep_sees_every_checkpointed_call_of_the_installed_torch(reentrant
         for rows in (3, 5):
             checkpoint(layer, torch.randn(rows, 4, requires_grad=True), use_reentrant=reentrant).sum().backward()
     assert [nbytes for _, nbytes in recorder.calls] == [3 * 4 * 4, 5 * 4 * 4]
+
+
+@pytest.mark.parametrize(("model_type", "mapping", "kind"), MEDIA_SUBSET)
+def test_a_model_fine_tuned_on_images_or_audio_conforms_with_such_a_batch(model_type, mapping, kind):
+    row = judged(model_type, mapping)
+    if row.get("batch") != kind and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"no {kind} batch builds on transformers {transformers.__version__}: {row.get('batch')}")
+    assert row["verdict"] == "correct", row
+    assert row["batch"] == kind
+    assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
+    assert row["calls"] > row["layers"] / 2  # the tower's layers ran and moved too
 
 
 def judged(model_type: str, mapping: str) -> dict:
