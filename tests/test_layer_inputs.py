@@ -96,3 +96,32 @@ def test_a_partial_level_counts_each_layers_own_activation(level):
     moved, arithmetic, _ = steps("auto", level)
     assert moved == [level * per_layer()] * 2
     assert arithmetic == moved
+
+
+def test_nothing_autooffload_notes_keeps_a_moved_input_alive():
+    # The host copies stand in for the layer inputs: once the forward returns, nothing holds the originals (a
+    # reference kept to learn which tensors layers share would keep every offloaded input on the device).
+    import gc
+    import weakref
+
+    from autooffload.apply.host_memory import HostMemory
+
+    net = Net()
+    net.train()
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
+    controller.attach(net)
+    inputs: list[weakref.ref] = []
+    for layer in net.layers:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        inputs.clear()
+        loss = net(ids)
+        gc.collect()
+        # the first layer's input is the embedding's output, which the model's own first_own and shared read (their
+        # backward holds it); every later one was made by a layer and is held by nothing but the host copy
+        assert [ref() is None for ref in inputs] == [False] + [True] * (LAYERS - 1)
+        loss.backward()
+        controller.end_step()
+    assert controller.last_step_bytes == LAYERS * per_layer()

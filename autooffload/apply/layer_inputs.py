@@ -17,6 +17,8 @@ states, T5's position bias) come later in the call or have other axes.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -25,17 +27,18 @@ class LayerInputs:
 
     def __init__(self, layers: int) -> None:
         self.own: list[dict[int, bool]] = [{} for _ in range(layers)]  # learned: argument position -> its own
-        self._seen: dict[int, list[tuple[int, int]]] = {}  # this forward: tensor id -> (layer, argument position)
-        self._alive: list[torch.Tensor] = []  # the tensors noted (ids stay theirs while they are held)
+        # This forward: tensor id -> (a weak reference to the tensor, its (layer, argument position) places). Weak:
+        # a strong one would keep an offloaded input on the device; a dead one means the id was reused.
+        self._seen: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
 
     def new_forward(self) -> None:
         """A forward begins: what the last one showed is learned (a tensor received by one call only is that
         layer's own), and the notes start again."""
-        for places in self._seen.values():
+        for _, places in self._seen.values():
             for position, index in places:
                 if index > 0 and position < len(self.own):
                     self.own[position][index] = len(places) == 1
-        self._seen, self._alive = {}, []
+        self._seen = {}
 
     def of(self, position: int, args: tuple) -> tuple[torch.Tensor, ...]:
         """The tensors of layer ``position``'s call with ``args`` that move: its first positional tensor, then its
@@ -45,9 +48,10 @@ class LayerInputs:
             return ()
         first, moving = tensors[0], [tensors[0]]
         for index, tensor in enumerate(tensors):
-            earlier = self._seen.setdefault(id(tensor), [])
-            if not earlier:
-                self._alive.append(tensor)
+            noted = self._seen.get(id(tensor))
+            if noted is None or noted[0]() is not tensor:
+                noted = self._seen[id(tensor)] = (weakref.ref(tensor), [])
+            earlier = noted[1]
             earlier.append((position, index))
             if index == 0 or len(earlier) > 1 or not _activation(tensor):
                 continue
