@@ -503,3 +503,33 @@ def test_a_layer_input_passed_as_a_keyword_is_counted_as_freeing_nothing_with_on
     assert controller.sizes.bytes_per_layer == 0  # the second decision knew
     assert controller.sizes.token_bytes and controller.sizes.token_bytes > 0
     controller.detach()
+
+
+def test_trl_sft_on_a_vlm_with_image_batches_moves_its_vision_blocks_and_language_layers(tmp_path):
+    # TRL's SFTTrainer fine-tuning the tiny Qwen2.5-VL on rows that carry an image (pre-tokenized, as a VLM
+    # processor would make them): both stacks move in mode on, the vision blocks from the first image batch on.
+    import datasets
+    import trl
+    from test_trainers import tokenizer
+
+    rows = [Batches([("image", 32)])[0], Batches([("image", 32)])[0]]
+    data = datasets.Dataset.from_dict({key: [row[key].tolist() for row in rows] for key in rows[0]})
+
+    def collator(items):
+        batch = collate([{key: torch.tensor(value) for key, value in item.items()} for item in items])
+        return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+
+    net = qwen2_5_vl()
+    callback = AutoOffloadCallback(probe=None, mode="on")
+    record = Record(callback)
+    args = training_args(
+        tmp_path, 2, arguments=trl.SFTConfig, dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False, report_to=[], bf16=False,
+    )  # fmt: skip
+    trainer = trl.SFTTrainer(
+        model=net, args=args, train_dataset=data, data_collator=collator, processing_class=tokenizer(),
+        callbacks=[callback, record],
+    )  # fmt: skip
+    trainer.train()
+    vision = VISION_BLOCKS * PATCHES * VISION_HIDDEN * 4
+    assert record.steps == [(VISION_BLOCKS + LAYERS, LAYERS * layer_bytes(32) + vision)] * 2
