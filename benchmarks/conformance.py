@@ -290,6 +290,10 @@ def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None 
                 config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         _scale_mrope(config)
         _fill_unset(config)
+        image, patch = _get(config, "image_size"), _get(config, "patch_size")
+        if isinstance(image, int) and isinstance(patch, int) and patch > 0 and image // patch > 32:
+            with contextlib.suppress(Exception):
+                config.image_size = 32 * patch  # GOT-OCR2's 64x64 patches of global attention: minutes on a CPU
     text = _get(config, "text_config")
     for _, sub in _sub_configs(config):  # a vision tower's output feeds the text stack: the text's width
         for key in ("out_hidden_size", "text_hidden_size"):

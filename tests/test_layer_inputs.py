@@ -1,8 +1,9 @@
 """A layer's second activation of its own moves with its input; what several layers share stays.
 
-A tiny model whose layers (torch's ``CheckpointWrapper``) take ``(hidden, own, shared)`` positionally: ``own`` is
-made by the layer before for this layer alone (as ZAYA's router states and Pegasus-X's global tokens are), ``shared``
-is one tensor every layer receives (as an encoder's states are). Bytes moved must be every layer's hidden and own
+A tiny model whose layers (torch's ``CheckpointWrapper``) take ``(hidden, own, encoder_states)`` positionally: ``own``
+is made by the layer before for this layer alone (as ZAYA's router states and Pegasus-X's global tokens are),
+``encoder_states`` is one tensor every layer receives (as an encoder-decoder's decoder layers do). Bytes moved must
+be every layer's hidden and own
 tensor, from the first step on, and equal autooffload's arithmetic; losses and gradients equal plain checkpointing's.
 """
 
@@ -25,8 +26,9 @@ class Layer(torch.nn.Module):
         self.read_shared = torch.nn.Linear(HIDDEN, HIDDEN)
         self.make_own = torch.nn.Linear(HIDDEN, OWN)
 
-    def forward(self, hidden, own, shared):
-        hidden = hidden + self.mix(hidden).tanh() * self.read_own(own).sigmoid() + self.read_shared(shared).tanh()
+    def forward(self, hidden, own, encoder_states):
+        mixed = self.mix(hidden).tanh() * self.read_own(own).sigmoid()
+        hidden = hidden + mixed + self.read_shared(encoder_states).tanh()
         return hidden, self.make_own(hidden)
 
 

@@ -10,13 +10,14 @@ A second tensor is a layer's own when it is a floating-point activation (it requ
 not a view into a larger one), and no other layer call of the forward receives it. The last is known only once a
 forward has run, so it is learned, per layer and argument position, from each forward (every call's tensors are
 noted); within a forward, a tensor an earlier call received is shared at once. Before a forward has shown it, the
-second positional tensor is taken as the layer's own where it is laid out as the input is (as many axes, the same
-batch), and anything else as shared: the shared tensors that reach a checkpoint positionally (an encoder's
-states, T5's position bias) come later in the call or have other axes.
+layer's ``forward`` names it: an argument named for what layers share (``encoder_hidden_states``, a mask, a
+position bias or embedding, rotary tables) is shared, any other named argument the layer's own (ZAYA's
+``prev_router_hidden_states``, Pegasus-X's ``global_hidden_states``), and one without a name (``*args``) shared.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ class LayerInputs:
 
     def __init__(self, layers: int) -> None:
         self.own: list[dict[int, bool]] = [{} for _ in range(layers)]  # learned: argument position -> its own
+        self.names: list[tuple[str, ...]] = [() for _ in range(layers)]  # each layer's forward's positional names
         # This forward: tensor id -> (a weak reference to the tensor, its (layer, argument position) places). Weak:
         # a strong one would keep an offloaded input on the device; a dead one means the id was reused.
         self._seen: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
@@ -43,11 +45,12 @@ class LayerInputs:
     def of(self, position: int, args: tuple) -> tuple[torch.Tensor, ...]:
         """The tensors of layer ``position``'s call with ``args`` that move: its first positional tensor, then its
         own second activations (none: no positional tensor)."""
-        tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
-        if not tensors:
+        places = [(place, arg) for place, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        if not places:
             return ()
-        first, moving = tensors[0], [tensors[0]]
-        for index, tensor in enumerate(tensors):
+        moving = [places[0][1]]
+        names = self.names[position] if position < len(self.names) else ()
+        for index, (place, tensor) in enumerate(places):
             noted = self._seen.get(id(tensor))
             if noted is None or noted[0]() is not tensor:
                 noted = self._seen[id(tensor)] = (weakref.ref(tensor), [])
@@ -56,10 +59,24 @@ class LayerInputs:
             if index == 0 or len(earlier) > 1 or not _activation(tensor):
                 continue
             learned = self.own[position].get(index) if position < len(self.own) else None
-            guess = index == 1 and tensor.dim() == first.dim() and tensor.shape[:1] == first.shape[:1]
+            guess = place < len(names) and not any(word in names[place] for word in SHARED_NAMES)
             if learned if learned is not None else guess:
                 moving.append(tensor)
         return tuple(moving)
+
+
+SHARED_NAMES = ("encoder", "mask", "position", "bias", "rotary", "cos", "sin", "cache", "past", "memory")
+
+
+def argument_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s positional ``forward`` parameters (a ``CheckpointWrapper``'s wrapped module's)."""
+    module = getattr(module, "_checkpoint_wrapped_module", module)
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(parameter.name for parameter in parameters if parameter.kind in kinds)
 
 
 def _activation(tensor: torch.Tensor) -> bool:

@@ -41,6 +41,7 @@ from .engines import OffloadEngine, make_engine
 from .forward import ForwardState, LayerCalls
 from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, measuring_plain_function
+from .layer_inputs import argument_names
 from .offload import OffloadStats
 
 
@@ -79,6 +80,18 @@ def _offload_function(
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload
+
+
+def _slot_module(slot: Any) -> torch.nn.Module:
+    """The module a planned layer runs: the target itself, or a container's block ``slot.index``."""
+    target = slot.target
+    if target.kind != "container":
+        return target.module
+    prefix = target.name + "." if target.name else ""
+    try:
+        return target.module.get_submodule(target.stack[len(prefix) :])[slot.index]
+    except Exception:  # a container laid out otherwise: its own forward names nothing of a layer's
+        return target.module
 
 
 class CheckpointSwitch:
@@ -131,6 +144,7 @@ class CheckpointSwitch:
             for i, s in enumerate(self.layers)
         ]
         self.forward.on_first_call = self._first_call
+        self.forward.inputs.names = [argument_names(_slot_module(slot)) for slot in self.layers]
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
         self._keep_measured = [
             self._tag(
