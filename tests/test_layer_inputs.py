@@ -3,8 +3,8 @@
 A tiny model whose layers (torch's ``CheckpointWrapper``) take ``(hidden, own, encoder_states)`` positionally: ``own``
 is made by the layer before for this layer alone (as ZAYA's router states and Pegasus-X's global tokens are),
 ``encoder_states`` is one tensor every layer receives (as an encoder-decoder's decoder layers do). Bytes moved must
-be every layer's hidden and own
-tensor, from the first step on, and equal autooffload's arithmetic; losses and gradients equal plain checkpointing's.
+be every layer's hidden and own tensor, from the first step on, and equal autooffload's arithmetic; losses and
+gradients equal plain checkpointing's.
 """
 
 from __future__ import annotations
