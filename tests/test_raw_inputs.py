@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import transformers
 
 from autooffload import AutoOffloadWarning, OffloadController, Settings
 
 BATCH, SAMPLES, TARGET, HIDDEN, VOCAB = 2, 6000, 12, 64, 256
+# Not yet run on transformers 4.x: its Moonshine and wav2vec2 checkpoint reentrantly by default and lay out their
+# feature extractor otherwise (issue 28 measured 5.25.0).
+pytestmark = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5, reason="raw-input stacks are checked on transformers 5"
+)
 
 
 def moonshine() -> torch.nn.Module:

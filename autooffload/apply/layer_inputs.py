@@ -27,8 +27,11 @@ class LayerInputs:
     """Per planned layer, the tensors of a call that move: its input and the second activations of its own."""
 
     def __init__(self, layers: int) -> None:
-        self.own: list[dict[int, bool]] = [{} for _ in range(layers)]  # learned: argument position -> its own
+        self.own: list[dict[int, bool]] = [{} for _ in range(layers)]  # learned: argument place -> its own
         self.names: list[tuple[str, ...]] = [() for _ in range(layers)]  # each layer's forward's positional names
+        # Per layer: may a second tensor move? Not for a container's calls (a model that calls the checkpoint for
+        # its layers, as many did on transformers 4.52): what it passes beside the input varies by call.
+        self.extras: list[bool] = [True] * layers
         # This forward: tensor id -> (a weak reference to the tensor, its (layer, argument position) places). Weak:
         # a strong one would keep an offloaded input on the device; a dead one means the id was reused.
         self._seen: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
@@ -37,9 +40,9 @@ class LayerInputs:
         """A forward begins: what the last one showed is learned (a tensor received by one call only is that
         layer's own), and the notes start again."""
         for _, places in self._seen.values():
-            for position, index in places:
-                if index > 0 and position < len(self.own):
-                    self.own[position][index] = len(places) == 1
+            for position, place in places:
+                if place >= 0 and position < len(self.own):
+                    self.own[position][place] = len(places) == 1
         self._seen = {}
 
     def of(self, position: int, args: tuple) -> tuple[torch.Tensor, ...]:
@@ -49,16 +52,18 @@ class LayerInputs:
         if not places:
             return ()
         moving = [places[0][1]]
+        if position >= len(self.extras) or not self.extras[position]:
+            return (places[0][1],)
         names = self.names[position] if position < len(self.names) else ()
         for index, (place, tensor) in enumerate(places):
             noted = self._seen.get(id(tensor))
             if noted is None or noted[0]() is not tensor:
                 noted = self._seen[id(tensor)] = (weakref.ref(tensor), [])
             earlier = noted[1]
-            earlier.append((position, index))
+            earlier.append((position, place if index > 0 else -1))
             if index == 0 or len(earlier) > 1 or not _activation(tensor):
                 continue
-            learned = self.own[position].get(index) if position < len(self.own) else None
+            learned = self.own[position].get(place) if position < len(self.own) else None
             guess = place < len(names) and not any(word in names[place] for word in SHARED_NAMES)
             if learned if learned is not None else guess:
                 moving.append(tensor)
