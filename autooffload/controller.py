@@ -34,7 +34,7 @@ from .apply.hooks import ForwardHooks
 from .apply.host_memory import ranks_per_node
 from .apply.switch import CheckpointSwitch, install_plain
 from .guard import guarded
-from .observe.inputs import MicroBatch, read_micro_batch
+from .observe.inputs import NO_TOKENS, MicroBatch, read_micro_batch
 from .observe.layout import ENABLE_HINT, ModelLayout
 from .observe.stacks import Stack
 from .run import Run
@@ -153,47 +153,53 @@ class OffloadController(Run):
     # ---- the micro-batch: observe, decide, apply -----------------------------------------------------
 
     @guarded("the pre-forward hook")
-    def _enter(self, module: torch.nn.Module, stacks: Sequence[Stack] | None, args: tuple, kwargs: dict) -> None:
-        """A call entered the model (or a stack's entry) inside no other: one micro-batch, decided here for every
-        stack the call runs (``stacks``; None: every planned one)."""
+    def _enter(
+        self, module: torch.nn.Module, stacks: Sequence[Stack] | None, args: tuple, kwargs: dict, deferrable: bool
+    ) -> bool:
+        """A call entered the model (or a stack's entry) inside no other that decided: one micro-batch, decided here
+        for every stack the call runs (``stacks``; None: every planned one). False: the call carries no tokens and a
+        watched entry inside it will (``deferrable``), so the decision is left to that entry."""
         if self.switch is not None:
             self.switch.new_forward()
         if not module.training:
-            return
+            return True
         if not torch.is_grad_enabled():  # a no-grad forward in train mode (TRL's KL forward): decide nothing
             if self.switch is not None and not self.switch.checkpointing_off():
                 self._rebuild_if_replaced()
-            return
+            return True
         planned = list(self.layout.stacks) if self.layout is not None else []
         stacks = planned if stacks is None else list(stacks)
         batch = read_micro_batch(module, stacks, args, kwargs)
+        if batch is None and deferrable:
+            return False
         if batch is None:
             if self.switch is not None and self.switch.layers:
-                self.warn(
-                    "no-tokens",
-                    f"{type(module).__name__} was called without input_ids or inputs_embeds; the sequence-length "
-                    "trigger is off for such calls and only the memory reading decides",
-                )
+                self.warn("no-tokens", NO_TOKENS.format(type(module).__name__))
             batch = MicroBatch(0, 0, {stack.name: (0, 0) for stack in stacks})
         if not self.memory.begun:
             self.begin_step()
-        self.before_forward(batch.seq_len, batch.tokens, batch.lengths)
+        self.before_forward(batch.seq_len, batch.tokens, batch.lengths, batch.sources)
+        return True
 
-    def before_forward(self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None) -> int:
+    def before_forward(
+        self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None, sources: Any = None
+    ) -> int:
         """Decide for the micro-batch about to run and install the decision. Returns the layers offloaded.
 
         ``seq_len``: the longest of the stacks' lengths (the sequence trigger reads it); ``tokens``: the micro-batch's
         input tokens (an encoder-decoder's source and target together; stacks that read one input, such as HRM's,
         count it once). ``lengths``: (sequence length, tokens) per planned stack, by name; a stack not named runs
-        no tokens, and without ``lengths`` every planned stack runs ``seq_len`` and ``tokens``."""
+        no tokens, and without ``lengths`` every planned stack read from tokens runs ``seq_len`` and ``tokens``.
+        ``sources``: per stack sized from a raw input, its elements (:mod:`~autooffload.observe.sources`)."""
         if self.switch is None:
             return 0
         self._close_micro_batch()  # the one that ran last: its layers' calls are counted
         self._rebuild_if_replaced()
         self.planner.settle()
         calls = self.switch.begin_micro_batch()
-        batch = MicroBatch.of(seq_len, tokens, lengths, list(self.layout.stacks) if self.layout else [])
+        batch = MicroBatch.of(seq_len, tokens, lengths, list(self.layout.stacks) if self.layout else [], sources)
         sized = self.sizes.size(batch, calls)  # observe
+        batch = sized.batch or batch
         before = (self.switch.offloaded, self.switch.kept)
         plan = self.planner.plan(
             self.step, batch, sized, self.memory.last,
@@ -203,7 +209,7 @@ class OffloadController(Run):
         self._install(plan.level, plan.keep, plan.measure, sized.order)  # apply
         self.sizes.start(self.switch.offloading, sized)
         host, layers = (self.host.budget_bytes, self.settings.host_memory), len(self.switch.layers)
-        self.record.micro_batch(seq_len, tokens, plan, before[0], self.switch.kept, layers, host)
+        self.record.micro_batch(batch.seq_len, batch.tokens, plan, before[0], self.switch.kept, layers, host)
         return plan.level
 
     def _install(self, level: int, keep: int = 0, measure: bool = False, order: tuple[int, ...] | None = None) -> None:
@@ -231,11 +237,11 @@ class OffloadController(Run):
         self._install(level)
 
     @guarded("a layer call's report")
-    def _on_first_call(self, position: int, nbytes: int) -> None:
+    def _on_first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """A planned layer's first call in this micro-batch, with its input's real bytes (:mod:`.observe.sizes`). A
         function of a switch since rebuilt may still run once, with a position the new layout may not have."""
         if self.switch is not None and position < len(self.switch.layers):
-            self.sizes.first_call(position, nbytes, moved_any=self.stats.total_bytes > 0)
+            self.sizes.first_call(position, nbytes, self.stats.total_bytes > 0, shape)
 
     @guarded("a kept layer's report")
     def _on_measured(self, position: int, nbytes: int, cast_bytes: int) -> None:

@@ -12,8 +12,9 @@ buffers (a :class:`~autooffload.apply.host_memory.HostMemory` that "pins" with n
 on a CPU as they would into pinned memory on a GPU).
 
 What the sweep measures is its own: it wraps torch's checkpoint entry points
-(``torch.utils.checkpoint._checkpoint_without_reentrant_generator`` and ``CheckpointFunction``), which every
-checkpointed call of every stack goes through, and records each grad-enabled call's layer input (its first
+(``torch.utils.checkpoint``'s private functions behind ``checkpoint``, found for the installed torch by a
+probe call: :func:`checkpoint_entry_points`; it stops with an error where it finds none), which every checkpointed
+call of every stack goes through, and records each grad-enabled call's layer input (its first
 positional tensor, once per tensor per forward). With text-only batches only the stacks that consume the
 tokens run (a VLM's vision tower does not), so the calls seen are those of the token stacks (both stacks of an
 encoder-decoder). Checked per type:
@@ -168,21 +169,87 @@ def _depth(config: Any) -> int | None:
 
 
 def _scale_mrope(config: Any) -> None:
-    """A rope section list (Qwen-VL's ``mrope_section``) sums to half the head size: scale it with the head."""
+    """A multimodal rope section list (Qwen-VL's and GLM-4V's ``mrope_section``) sums to half the rotary size (the
+    head size x ``partial_rotary_factor``): scale it with the head. A config whose model falls back to a default
+    section sized for the full head when the list is missing (it names ``mrope_section`` among the rope keys it does
+    not validate) gets the default's proportions (2:3:3) at the tiny size."""
     head = _get(config, "head_dim")
     hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
     if not isinstance(head, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         head = hidden // heads
+    if not isinstance(head, int):
+        return
+    wants = "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()) or _modeling_reads(
+        config, "mrope_section"
+    )
     for attr in ("rope_scaling", "rope_parameters"):
         rope = getattr(config, attr, None)
-        if not isinstance(rope, dict) or not isinstance(head, int):
+        if not isinstance(rope, dict):
             continue
+        partial = rope.get("partial_rotary_factor", _get(config, "partial_rotary_factor"))
+        half = int(head * (partial if isinstance(partial, float) and 0 < partial <= 1 else 1)) // 2
         section = rope.get("mrope_section")
-        if isinstance(section, list) and section and sum(section) != head // 2:
-            total, half = sum(section), head // 2
+        missing = section is None and wants
+        section = [2, 3, 3] if missing else section
+        if isinstance(section, list) and section and (missing or sum(section) != half):
+            total = sum(section)
             scaled = [max(1, s * half // total) for s in section]
             scaled[0] += half - sum(scaled)
             rope["mrope_section"] = scaled
+            with contextlib.suppress(Exception):
+                setattr(config, attr, rope)  # a config may hand out a copy of its rope dict
+
+
+def _fill_unset(config: Any) -> None:
+    """Sizes a config declares but leaves unset (None) for its model to read as a number: the head size, the
+    key-value heads, the experts per token, the layer types (DeepSeek-V2, Hunyuan, Ministral, Nemotron, LFM2-MoE)."""
+    values = vars(config)
+    hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+    depth = _depth(config)
+    fills: dict[str, Any] = {}
+    if "head_dim" in values and values["head_dim"] is None and isinstance(hidden, int) and isinstance(heads, int):
+        fills["head_dim"] = hidden // heads
+    if "num_key_value_heads" in values and values["num_key_value_heads"] is None and isinstance(heads, int):
+        fills["num_key_value_heads"] = heads
+    expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
+    if "moe_intermediate_size" in values:  # Dots1 leaves its expert counts unset
+        for key in expert_keys:
+            if key in values and values[key] is None:
+                fills[key] = SIZE_KEYS[key]
+        if "n_shared_experts" in values and values["n_shared_experts"] is None:
+            fills["n_shared_experts"] = 1
+    experts = any(isinstance(values.get(key), int) or key in fills for key in expert_keys)
+    if experts and "num_experts_per_tok" in values and values["num_experts_per_tok"] is None:
+        fills["num_experts_per_tok"] = SIZE_KEYS["num_experts_per_tok"]
+    if "layer_types" in values and values["layer_types"] is None and isinstance(depth, int):
+        other = "conv" if _modeling_reads(config, '"conv"') else "full_attention"
+        fills["layer_types"] = [other] * (depth - 1) + ["full_attention"]
+    ssm_heads, ssm_head = values.get("mamba_n_heads"), values.get("mamba_d_head")
+    if isinstance(values.get("mamba_d_ssm"), int) and isinstance(ssm_heads, int) and isinstance(ssm_head, int):
+        fills["mamba_d_ssm"] = ssm_heads * ssm_head  # Falcon-H1's SSM width is its heads x head size
+    for key, value in fills.items():
+        with contextlib.suppress(Exception):
+            setattr(config, key, value)
+    attention = _get(config, "attn_config")  # DBRX's attention config reads a rope_theta it does not have
+    rope = _get(config, "rope_parameters")
+    if attention is not None and _get(attention, "rope_theta") is None and isinstance(rope, dict):
+        with contextlib.suppress(Exception):
+            attention.rope_theta = rope.get("rope_theta", 10000.0)
+    if attention is not None and "clip_qkv" in vars(attention) and attention.clip_qkv is None:
+        with contextlib.suppress(Exception):
+            attention.clip_qkv = 8.0  # DBRX clamps with it unconditionally
+
+
+def _modeling_reads(config: Any, key: str) -> bool:
+    """Does the modeling file of ``config``'s family mention ``key``?"""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+        return key in inspect.getsource(module)
+    except Exception:  # no such module, or no source
+        return False
 
 
 def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None = VOCAB) -> Any:
@@ -222,11 +289,28 @@ def shrink(config: Any, *, sizes: bool, layers: int = LAYERS, vocab: int | None 
             with contextlib.suppress(Exception):
                 config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         _scale_mrope(config)
+        _fill_unset(config)
+        image, patch = _get(config, "image_size"), _get(config, "patch_size")
+        if isinstance(image, int) and isinstance(patch, int) and patch > 0 and image // patch > 32:
+            with contextlib.suppress(Exception):
+                config.image_size = 32 * patch  # GOT-OCR2's 64x64 patches of global attention: minutes on a CPU
+    text = _get(config, "text_config")
+    for _, sub in _sub_configs(config):  # a vision tower's output feeds the text stack: the text's width
+        for key in ("out_hidden_size", "text_hidden_size"):
+            if sizes and text is not None and sub is not text and isinstance(_get(sub, key), int):
+                with contextlib.suppress(Exception):
+                    setattr(sub, key, _get(text, "hidden_size"))
     current = _get(config, "vocab_size")
+    limit = None
     if vocab is not None and isinstance(current, int) and current > vocab:
         with contextlib.suppress(Exception):
             config.vocab_size = vocab
-        taken = set()
+        limit = vocab
+    elif vocab is not None and current is None and _sub_configs(config):  # a VLM's image token: in the text's
+        limit = text_vocab(config)
+    if limit is not None:
+        taken = set().union(*(special_ids(sub) for _, sub in _sub_configs(config)))
+        vocab = limit
         free = vocab - 1
         for key, value in sorted(vars(config).items()):
             if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int):
@@ -260,6 +344,19 @@ def text_vocab(config: Any) -> int | None:
     return min(sizes) if sizes else None
 
 
+def _fit_image_tokens(config: Any) -> None:
+    """A config that pools the vision tower's patches to ``mm_tokens_per_image`` (Gemma-3) must ask for no more
+    tokens per side than its default image has patches per side (Gemma-3's default pairs 224-pixel images of
+    16-pixel patches with 256 tokens): pool 2x2 where it would pool by 0."""
+    tokens, vision = _get(config, "mm_tokens_per_image"), _get(config, "vision_config")
+    size, patch = _get(vision, "image_size"), _get(vision, "patch_size")
+    if isinstance(tokens, int) and isinstance(size, int) and isinstance(patch, int) and patch > 0:
+        side = size // patch
+        if round(tokens**0.5) > side:
+            with contextlib.suppress(Exception):
+                config.mm_tokens_per_image = (side // 2) ** 2
+
+
 def tiny_config(model_type: str, sizes: bool = True) -> Any:
     from transformers import AutoConfig
 
@@ -270,16 +367,29 @@ def tiny_config(model_type: str, sizes: bool = True) -> Any:
             setattr(config, key, False)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
-    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
-        with contextlib.suppress(Exception):
-            config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    _fit_image_tokens(config)
+    vocab, taken = text_vocab(config), special_ids(config)
+    for key in ("image_token_id", "audio_token_id"):  # set by the processor where the config leaves it unset
+        if key in vars(config) and getattr(config, key) is None and isinstance(vocab, int):
+            free = next(i for i in range(vocab - 2, 0, -1) if i not in taken)
+            taken.add(free)
+            with contextlib.suppress(Exception):
+                setattr(config, key, free)
+    if getattr(config, "is_encoder_decoder", False):  # labels are shifted right into decoder inputs: both needed
+        if getattr(config, "pad_token_id", None) is None:
+            with contextlib.suppress(Exception):
+                config.pad_token_id = 0
+        if getattr(config, "decoder_start_token_id", None) is None:
+            with contextlib.suppress(Exception):
+                config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     return config
 
 
 # ---- batches and one step --------------------------------------------------------------------------------
 
 
-def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
+def token_sampler(config: Any) -> Any:
+    """``ids(length)``: ``[BATCH, length]`` random text ids of the config's vocabulary, no special token among them."""
     import torch
 
     vocab = text_vocab(config) or VOCAB
@@ -290,11 +400,24 @@ def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
     def ids(length: int) -> torch.Tensor:
         return allowed[torch.randint(len(allowed), (BATCH, length), generator=generator)]
 
+    return ids
+
+
+def make_batch(model: Any, config: Any, mapping: str) -> dict[str, Any]:
+    import torch
+
+    ids = token_sampler(config)
+    generator = torch.Generator().manual_seed(1)
+
+    if mapping in ENCODER_DECODER and getattr(config, "is_encoder_decoder", False) is not True:
+        batch = ids(SEQ)  # an audio language model in a seq2seq mapping: text, its labels the same tokens
+        return {"input_ids": batch, "labels": batch.clone()}
     if mapping == "seq2seq":
         return {"input_ids": ids(SOURCE), "labels": ids(TARGET)}
     if mapping == "speech":
         main = getattr(model, "main_input_name", "input_features")
-        if main == "input_values":
+        encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+        if main == "input_values" or getattr(encoder, "main_input_name", None) == "input_values":  # raw audio
             source = torch.randn(BATCH, 16 * SOURCE * 10, generator=generator)
         elif isinstance(getattr(config, "num_mel_bins", None), int):
             source = torch.randn(BATCH, config.num_mel_bins, SOURCE, generator=generator)
@@ -311,6 +434,24 @@ def _first_tensor(args: tuple) -> Any:
     import torch
 
     return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def _storage(tensor: Any) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr() or id(tensor)
+    except Exception:  # no storage of its own (a tensor subclass)
+        return id(tensor)
+
+
+def _own(tensor: Any) -> bool:
+    """An activation with a storage of its own: floating-point, requiring grad, the whole of its storage."""
+    try:
+        whole = (
+            tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        )
+    except Exception:
+        return False
+    return tensor.is_floating_point() and tensor.requires_grad and whole
 
 
 def _owner(function: Any) -> Any:
@@ -333,54 +474,144 @@ def _owner_name(function: Any) -> str:
     return type(owner).__name__ if owner is not None else getattr(function, "__qualname__", "?")
 
 
+# Where torch's checkpoint hands a call to its implementation, newest first. Private names, which move between
+# releases (torch 2.14's checkpoint calls ``_checkpoint_without_reentrant_generator_impl``; 2.13's the generator
+# without the suffix): each is tried with a probe call, and only the ones that see it are wrapped.
+NON_REENTRANT = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+
+
+def _wrap_generator(original: Any, record: Any) -> Any:
+    """A wrapper of a non-reentrant entry point that records ``(fn, args)``, whatever its signature: ``args`` is
+    its parameter of that name (a ``*args`` in 2.13, a tuple in 2.14), bound to the call as the original would."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def watched(*call_args: Any, **call_kwargs: Any) -> Any:
+        bound = signature.bind(*call_args, **call_kwargs)
+        function = call_args[0] if call_args else call_kwargs.get("fn")
+        record(function, tuple(bound.arguments.get("args", ())))
+        return original(*call_args, **call_kwargs)
+
+    return watched
+
+
+def _wrap_function_class(original: Any, record: Any) -> Any:
+    """A stand-in for ``CheckpointFunction`` (the reentrant path) whose ``apply(fn, preserve, *args)`` records."""
+
+    class WatchedFunction:
+        @staticmethod
+        def apply(fn: Any, preserve: Any, *args: Any) -> Any:
+            record(fn, args)
+            return original.apply(fn, preserve, *args)
+
+    return WatchedFunction
+
+
+_ENTRY_POINTS: list[tuple[str, Any]] | None = None
+
+
+def checkpoint_entry_points() -> list[tuple[str, Any]]:
+    """(name in ``torch.utils.checkpoint``, wrapper factory) of the entry points this torch's ``checkpoint`` really
+    calls, one for each path (non-reentrant, reentrant), found once per process by a probe call through each
+    candidate. Raises ``RuntimeError`` where a path reaches none of them: the sweep cannot count on this torch."""
+    global _ENTRY_POINTS
+    if _ENTRY_POINTS is not None:
+        return _ENTRY_POINTS
+    import torch
+    import torch.utils.checkpoint as cp
+
+    def sees(name: str, make: Any, reentrant: bool) -> bool:
+        seen: list[Any] = []
+        original = getattr(cp, name, None)
+        if original is None:
+            return False
+        setattr(cp, name, make(original, lambda fn, args: seen.append(args)))
+        try:
+            probe = torch.ones(2, requires_grad=True)
+            with torch.enable_grad():
+                cp.checkpoint(torch.sin, probe, use_reentrant=reentrant).sum().backward()
+        except Exception:  # a candidate whose signature this wrapper does not bind
+            return False
+        finally:
+            setattr(cp, name, original)
+        return any(any(a is probe for a in args) for args in seen)
+
+    found = []
+    candidates = [(name, _wrap_generator, False) for name in NON_REENTRANT]
+    candidates.append(("CheckpointFunction", _wrap_function_class, True))
+    for reentrant in (False, True):
+        path = [(name, make) for name, make, kind in candidates if kind == reentrant and sees(name, make, reentrant)]
+        if not path:
+            names = ", ".join(name for name, _, kind in candidates if kind == reentrant)
+            raise RuntimeError(
+                f"torch {torch.__version__}: torch.utils.checkpoint.checkpoint(use_reentrant={reentrant}) reaches none "
+                f"of {names}; the sweep cannot count checkpointed calls on it (add this torch's entry point to "
+                "benchmarks/conformance.py)"
+            )
+        found.append(path[0])
+    _ENTRY_POINTS = found
+    return found
+
+
 class CheckpointCalls:
-    """Records every grad-enabled call of torch's checkpoint: its layer input's bytes (the first positional
-    tensor, each tensor once per step) and the module class it checkpoints. Wraps the two entry points
-    ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a
-    container's loop) is seen, without reading autooffload."""
+    """Records every grad-enabled call of torch's checkpoint: the bytes of what belongs to that layer alone (its
+    input, the first positional tensor, each tensor once per step; and every other positional tensor that is an
+    activation, floating-point and requiring grad, whose storage no other call receives: ZAYA's router states,
+    Pegasus-X's global tokens; not an encoder's states every decoder layer receives, T5's position bias, masks, or
+    slices of one tensor that holds every layer's) and the module class it checkpoints. Wraps the two entry points
+    ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a container's
+    loop) is seen, without reading autooffload. What is shared is known at the end: :meth:`finish` counts."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
         self.per_module: dict[int, int] = {}  # bytes of every call of one module (a layer called twice: both)
+        self.extras = 0  # bytes of second activations of a layer's own, among those of ``calls``
         self._seen: list[weakref.ref] = []
+        self._recorded: list[tuple[str, int, int, list[Any]]] = []  # owner, key, input bytes, other tensors
+        self._storages: dict[int, int] = {}  # storage -> calls that receive it
 
     def record(self, function: Any, args: tuple) -> None:
         import torch
 
         if not torch.is_grad_enabled():
             return
-        tensor = _first_tensor(args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        for storage in {_storage(t) for t in tensors}:
+            self._storages[storage] = self._storages.get(storage, 0) + 1
+        tensor = tensors[0] if tensors else None
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
         if tensor is not None and any(ref() is tensor for ref in self._seen):
             return
         if tensor is not None:
             self._seen.append(weakref.ref(tensor))
-        self.calls.append((_owner_name(function), nbytes))
-        key = id(_owner(function) or function)
-        self.per_module[key] = self.per_module.get(key, 0) + nbytes
+        self._recorded.append((_owner_name(function), id(_owner(function) or function), nbytes, tensors[1:]))
+
+    def finish(self) -> None:
+        """Count what was recorded: a second tensor is a layer's own where no other call received its storage."""
+        for name, key, nbytes, others in self._recorded:
+            own = sum(t.numel() * t.element_size() for t in others if _own(t) and self._storages[_storage(t)] == 1)
+            self.extras += own
+            self.calls.append((name, nbytes + own))
+            self.per_module[key] = self.per_module.get(key, 0) + nbytes + own
+        self._recorded, self._storages = [], {}
 
     @contextlib.contextmanager
     def watching(self):
+        """Record every checkpointed call while inside. The entry points are found for the installed torch
+        (:func:`checkpoint_entry_points`); a torch whose checkpoint reaches none of them raises here, loudly,
+        rather than a sweep that sees no call and judges every row by nothing."""
         import torch.utils.checkpoint as cp
 
-        generator, function_class = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
-        recorder = self
-
-        def watched_generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs):
-            recorder.record(fn, args)
-            return generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs)
-
-        class WatchedFunction:
-            @staticmethod
-            def apply(fn, preserve, *a):
-                recorder.record(fn, a)
-                return function_class.apply(fn, preserve, *a)
-
-        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = watched_generator, WatchedFunction
+        patched = [(name, getattr(cp, name), make) for name, make in checkpoint_entry_points()]
+        for name, original, make in patched:
+            setattr(cp, name, make(original, self.record))
         try:
             yield self
         finally:
-            cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = generator, function_class
+            for name, original, _ in patched:
+                setattr(cp, name, original)
+            self.finish()
 
     @property
     def bytes(self) -> int:
@@ -403,6 +634,7 @@ class StepResult:
     grads: dict[str, Any] = dataclasses.field(default_factory=dict)
     calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     per_module: dict[int, int] = dataclasses.field(default_factory=dict)
+    extras: int = 0  # of the bytes of ``calls``, second activations of a layer's own
     layers: int | None = None
     moved: int | None = None
     arithmetic: float | None = None
@@ -511,7 +743,7 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
                     controller.end_step()
                     result.moved_again = controller.history[-1].bytes_moved if controller.history else None
                 controller.detach()
-        result.calls, result.per_module = recorder.calls, recorder.per_module
+        result.calls, result.per_module, result.extras = recorder.calls, recorder.per_module, recorder.extras
         result.warnings = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
         result.logs = [f"{r.levelname}: {r.getMessage()}" for r in handler.records]
         result.warnings += [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING]
@@ -539,6 +771,35 @@ def _subset_sums(sizes: list[int], k: int) -> set[int] | None:
     return {sum(c) for c in itertools.combinations(sizes, k)}
 
 
+def _with_media(model: Any, config: Any, batch: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """An image batch for a model that takes ``pixel_values``, an audio batch for an audio language model that
+    takes ``input_features`` (:mod:`media_batches`), where one builds and takes a plain checkpointed step; else
+    ``batch`` (text only), with the reason in the row."""
+    import inspect
+
+    import media_batches
+
+    parameters = inspect.signature(model.forward).parameters
+    if "pixel_values" in parameters:
+        kind, build = "image", lambda: media_batches.image_batch(model, config, token_sampler(config), SEQ, BATCH)
+    elif "input_features" in parameters and getattr(config, "is_encoder_decoder", False) is not True:
+        kind, build = "audio", lambda: media_batches.audio_batch(model, config, token_sampler(config), SEQ, BATCH, 96)
+    else:
+        return batch
+    state = copy.deepcopy(model.state_dict())
+    try:
+        media = build()
+        train_step(model, media, "plain")
+    except Exception as error:
+        row["batch"] = f"text only ({kind} batch: {type(error).__name__}: {str(error)[:160]})"
+        return batch
+    finally:
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+    row["batch"] = kind
+    return media
+
+
 def check_type(model_type: str, mapping: str) -> dict[str, Any]:
     """Build, run plain/on/partial, and judge one model type. Runs in the child process."""
 
@@ -559,6 +820,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             model.gradient_checkpointing_enable()
             batch = make_batch(model, config, mapping)
             state = copy.deepcopy(model.state_dict())
+            batch = _with_media(model, config, batch, row)
             train_step(model, batch, "plain")  # a first forward may change the model (BigBird's attention type)
             model.load_state_dict(state)
             model.zero_grad(set_to_none=True)
@@ -572,6 +834,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         return _finish(row, start)
     row["params"] = sum(p.numel() for p in model.parameters())
     row["calls"] = len(plain.calls)
+    row["extras"] = plain.extras
     row["call_owners"] = sorted({o for o, _ in plain.calls})
     row["measured"] = plain.bytes if hasattr(plain, "bytes") else sum(n for _, n in plain.calls)
     problems: list[str] = []
@@ -620,7 +883,8 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
         if on.moved == measured and measured > 0:
             if partial.arithmetic is None or partial.moved != round(partial.arithmetic):
                 problems.append(f"partial: moved {partial.moved} != arithmetic {partial.arithmetic}")
-            chosen = [plain.per_module.get(id(module)) for module in partial.offloaded]
+            # a layer that did not run (a vision tower on a text-only batch) holds nothing
+            chosen = [None if module is None else plain.per_module.get(id(module), 0) for module in partial.offloaded]
             if partial.offloaded and None not in chosen:
                 if partial.moved != sum(chosen):
                     problems.append(

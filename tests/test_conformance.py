@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import conformance
@@ -59,12 +60,44 @@ SUBSET = [
     ("speech_to_text", "speech"),
     ("florence2", "image-text"),
     ("dory", "causal"),
-]
-
-PLAIN_WITH_WARNING = [
-    # SpeechT5's speech encoder takes raw input_values: no length to plan it by, so nothing is planned
+    # encoders on raw audio samples (issue 28: nothing, or the decoder alone, moved): sized from input_values
     ("speecht5", "speech"),
+    ("moonshine", "speech"),
+    ("speech-encoder-decoder", "speech"),
+    # a second activation of a layer's own moves with its input (issue 28): ZAYA's router states, Pegasus-X's
+    # global tokens
+    ("zaya", "causal"),
+    ("pegasus_x", "seq2seq"),
 ]
+SECOND_ACTIVATIONS = {"zaya", "pegasus_x"}
+# fine-tuned with images or audio, their vision or audio tower checkpointed (issue 28): swept with such a batch
+MEDIA_SUBSET = [("qwen2_vl", "image-text", "image"), ("gemma3", "image-text", "image"), ("voxtral", "seq2seq", "audio")]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_sweep_sees_every_checkpointed_call_of_the_installed_torch(reentrant):
+    """The sweep's count is its own, through torch's private entry points (which moved in torch 2.14): each call
+    of either path is recorded once, with its layer input's bytes."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    recorder = conformance.CheckpointCalls()
+    layer = torch.nn.Linear(4, 4)
+    with recorder.watching():
+        for rows in (3, 5):
+            checkpoint(layer, torch.randn(rows, 4, requires_grad=True), use_reentrant=reentrant).sum().backward()
+    assert [nbytes for _, nbytes in recorder.calls] == [3 * 4 * 4, 5 * 4 * 4]
+
+
+@pytest.mark.parametrize(("model_type", "mapping", "kind"), MEDIA_SUBSET)
+def test_a_model_fine_tuned_on_images_or_audio_conforms_with_such_a_batch(model_type, mapping, kind):
+    row = judged(model_type, mapping)
+    if row.get("batch") != kind and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"no {kind} batch builds on transformers {transformers.__version__}: {row.get('batch')}")
+    assert row["verdict"] == "correct", row
+    assert row["batch"] == kind
+    assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
+    assert row["calls"] > row["layers"] / 2  # the tower's layers ran and moved too
 
 
 def judged(model_type: str, mapping: str) -> dict:
@@ -83,10 +116,4 @@ def test_autooffload_conforms(model_type, mapping):
     row = judged(model_type, mapping)
     assert row["verdict"] == "correct", row
     assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
-
-
-@pytest.mark.parametrize(("model_type", "mapping"), PLAIN_WITH_WARNING)
-def test_a_model_autooffload_cannot_size_keeps_plain_checkpointing_with_one_warning(model_type, mapping):
-    row = judged(model_type, mapping)
-    assert row["verdict"] == "plain-with-warning", row
-    assert row["moved"] == 0 and len(row["warnings"]) == 1 and "cannot read" in row["warnings"][0]
+    assert (row["extras"] > 0) == (model_type in SECOND_ACTIVATIONS)

@@ -373,14 +373,25 @@ def vlm_plain(tmp_path_factory):
     return run(tmp_path_factory.mktemp("plain"), qwen2_5_vl(), Batches(VLM_BATCHES), collate, mode="off")
 
 
-@pytest.mark.parametrize(("callback_args", "level"), [({"mode": "on"}, LAYERS), ({"policy": Fixed(2)}, 2)])
-def test_a_vlm_plans_over_its_language_layers_with_and_without_an_image(tmp_path, vlm_plain, callback_args, level):
+VISION_BLOCKS, PATCHES, VISION_HIDDEN = 4, 16, 16
+
+
+@pytest.mark.parametrize(
+    ("callback_args", "level"), [({"mode": "on"}, VISION_BLOCKS + LAYERS), ({"policy": Fixed(2)}, 2)]
+)
+def test_a_vlm_plans_its_vision_blocks_and_its_language_layers(tmp_path, vlm_plain, callback_args, level):
+    # The vision blocks run only on the image batch, on its 16 patches (hidden 16), sized from pixel_values; the
+    # partial level offloads language layers first: on the first image batch the blocks' bytes are not known yet.
     net = qwen2_5_vl()
     assert getattr(net.config, "hidden_size", None) is None  # the text config has it
     result = run(tmp_path, net, Batches(VLM_BATCHES), collate, **callback_args)
     steps, _, _, layers = result
-    assert [slot.target.stack.rpartition(".")[2] for slot in layers] == ["layers"] * LAYERS
-    assert steps == [(level, level * layer_bytes(seq)) for _, seq in VLM_BATCHES]
+    assert [slot.target.stack.rpartition(".")[2] for slot in layers] == ["blocks"] * VISION_BLOCKS + ["layers"] * LAYERS
+    vision = VISION_BLOCKS * PATCHES * VISION_HIDDEN * 4 if level > LAYERS else 0
+    expected = [
+        (level, min(level, LAYERS) * layer_bytes(seq) + (vision if kind == "image" else 0)) for kind, seq in VLM_BATCHES
+    ]
+    assert steps == expected
     assert_same_training(result, vlm_plain)
 
 
@@ -391,7 +402,7 @@ def test_a_vlm_first_guess_of_bytes_per_layer_uses_the_text_config():
     controller = OffloadController(Settings(), probe=None)
     controller.attach(net)
     assert controller.sizes.token_bytes == HIDDEN * 4
-    assert len(controller.switch.layers) == LAYERS
+    assert len(controller.switch.layers) == VISION_BLOCKS + LAYERS
     controller.detach()
 
 
@@ -492,3 +503,33 @@ def test_a_layer_input_passed_as_a_keyword_is_counted_as_freeing_nothing_with_on
     assert controller.sizes.bytes_per_layer == 0  # the second decision knew
     assert controller.sizes.token_bytes and controller.sizes.token_bytes > 0
     controller.detach()
+
+
+def test_trl_sft_on_a_vlm_with_image_batches_moves_its_vision_blocks_and_language_layers(tmp_path):
+    # TRL's SFTTrainer fine-tuning the tiny Qwen2.5-VL on rows that carry an image (pre-tokenized, as a VLM
+    # processor would make them): both stacks move in mode on, the vision blocks from the first image batch on.
+    import datasets
+    import trl
+    from test_trainers import tokenizer
+
+    rows = [Batches([("image", 32)])[0], Batches([("image", 32)])[0]]
+    data = datasets.Dataset.from_dict({key: [row[key].tolist() for row in rows] for key in rows[0]})
+
+    def collator(items):
+        batch = collate([{key: torch.tensor(value) for key, value in item.items()} for item in items])
+        return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+
+    net = qwen2_5_vl()
+    callback = AutoOffloadCallback(probe=None, mode="on")
+    record = Record(callback)
+    args = training_args(
+        tmp_path, 2, arguments=trl.SFTConfig, dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False, report_to=[], bf16=False,
+    )  # fmt: skip
+    trainer = trl.SFTTrainer(
+        model=net, args=args, train_dataset=data, data_collator=collator, processing_class=tokenizer(),
+        callbacks=[callback, record],
+    )  # fmt: skip
+    trainer.train()
+    vision = VISION_BLOCKS * PATCHES * VISION_HIDDEN * 4
+    assert record.steps == [(VISION_BLOCKS + LAYERS, LAYERS * layer_bytes(32) + vision)] * 2

@@ -17,6 +17,7 @@ from conftest import HIDDEN, LAYERS, InOrderTrainer, dataset, expected_bytes, mo
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
 from autooffload import AutoOffloadCallback
+from autooffload.observe.layout import ModelLayout
 
 BATCH, SEQ, VOCAB = 2, 32, 256
 
@@ -96,14 +97,18 @@ TINY = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_head
 TINY.update(vocab_size=VOCAB, head_dim=16, pad_token_id=0)
 
 
-def test_phi4_multimodal_plans_its_decoder_layers_not_the_audio_blocks_in_its_embedding_path(tmp_path):
+def test_phi4_multimodal_reads_tokens_at_its_decoder_layers_not_at_the_audio_blocks_in_its_embedding_path(tmp_path):
+    # The audio blocks are planned too, sized from the audio input they run on; a text-only batch runs none of them.
     audio = dict(hidden_size=32, intermediate_size=64, num_blocks=4, num_attention_heads=4, nemo_conv_channels=32)
     audio.update(ext_pw_out_channel=32, depthwise_separable_out_channel=32)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     net = built("phi4_multimodal", num_hidden_layers=3, audio_config=audio, vision_config=vision, **TINY)
+    net.gradient_checkpointing_enable()
+    stacks = ModelLayout.read(net).stacks
+    assert [stack.name for stack in stacks if not stack.sources] == ["model.layers"]
+    assert [stack.sources for stack in stacks if stack.sources] == [("pixel_values",), ("audio_input_features",)]
     record, _, _ = train_fixed(tmp_path, net, mode="on")
-    assert record.layers == 3
-    assert record.steps == [(3, expected_bytes(SEQ, BATCH, layers=3))] * 2
+    assert record.steps == [(record.layers, expected_bytes(SEQ, BATCH, layers=3))] * 2
 
 
 def hrm() -> torch.nn.Module:

@@ -295,3 +295,112 @@ def test_grpo_trains_as_decided_on_every_step(tmp_path):
     assert [(active, moved) for _, active, moved in steps.rows] == [
         (0.5, expected_bytes(tokens, layers=2)) for tokens, *_ in steps.rows
     ]
+
+
+@pytest.mark.skipif(
+    "num_generations" not in getattr(getattr(trl, "RLOOConfig", None), "__dataclass_fields__", {}),
+    reason="this TRL's RLOOTrainer is the earlier one (a policy, a reference policy and a reward model)",
+)
+def test_rloo_trains_as_decided_on_every_step(tmp_path):
+    prompts = datasets.Dataset.from_dict({"prompt": [words(6 + i % 3, i) for i in range(8)]})
+    net = model()
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(2))
+    steps = Steps(callback, net)
+    trainer = trl.RLOOTrainer(
+        model=net,
+        reward_funcs=completion_length,
+        args=config(
+            trl.RLOOConfig, tmp_path, 2, {"offload": "auto"},
+            per_device_train_batch_size=2, num_generations=2, max_completion_length=8, beta=0.0,
+        ),
+        train_dataset=prompts,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )  # fmt: skip
+    trainer.train()
+    assert len(steps.rows) == 2 and all(tokens > 0 for tokens, *_ in steps.rows)
+    assert [(active, moved) for _, active, moved in steps.rows] == [
+        (0.5, expected_bytes(tokens, layers=2)) for tokens, *_ in steps.rows
+    ]
+
+
+@pytest.mark.skipif(not hasattr(trl, "RewardTrainer"), reason="this TRL has no RewardTrainer")
+def test_reward_trainer_moves_chosen_and_rejected(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    pairs = datasets.Dataset.from_dict(
+        {"chosen": [words(6 + i % 3, i) for i in range(4)], "rejected": [words(5 + i % 2, 9 + i) for i in range(4)]}
+    )
+    config_ = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, use_cache=False, num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    net = Qwen3ForSequenceClassification(config_)
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    steps = Steps(callback, net)
+    trainer = trl.RewardTrainer(
+        model=net,
+        args=config(trl.RewardConfig, tmp_path, 2, {"use_reentrant": False}, per_device_train_batch_size=2),
+        train_dataset=pairs,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )
+    trainer.train()
+    assert len(steps.rows) == 2 and all(tokens > 0 for tokens, *_ in steps.rows)
+    assert [moved for *_, moved in steps.rows] == [expected_bytes(tokens) for tokens, *_ in steps.rows]
+
+
+# ---- Distillation: the student is called through a redirection ------------------------------------------
+
+
+class BackboneTokens(TrainerCallback):
+    """Per optimizer step, the tokens of the training calls of the student's backbone (``model.model``), which
+    TRL's ``DistillationTrainer`` calls inside a redirected top-level forward that carries no ``input_ids``."""
+
+    def __init__(self, callback: AutoOffloadCallback, net: torch.nn.Module) -> None:
+        self.controller = callback.controller
+        self.rows: list[tuple[int, int]] = []
+        self.records: list = []
+        self._tokens = 0
+        net.model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._tokens += kwargs["input_ids"].numel()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows.append((self._tokens, self.controller.last_step_bytes))
+        self.records.append(self.controller.history[-1])
+        self._tokens = 0
+
+
+@pytest.mark.skipif(not hasattr(trl, "DistillationTrainer"), reason="this TRL has no DistillationTrainer")
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_distillation_decides_where_the_tokens_are(tmp_path, mode):
+    # DistillationTrainer (TRL 1.16) calls model(unwrapped, inputs, n) with the student's forward patched to its
+    # loss: the top model's call has no input_ids; the backbone's call inside it has them.
+    prompts = datasets.Dataset.from_dict({"prompt": [words(6 + i % 3, i) for i in range(8)]})
+    net = model()
+    callback = AutoOffloadCallback(mode=mode, probe=None, seq_high=4, seq_low=2, policy="hysteresis")
+    steps = BackboneTokens(callback, net)
+    trainer = trl.DistillationTrainer(
+        model=net,
+        teacher_model=model(seed=1),
+        args=config(
+            trl.DistillationConfig, tmp_path, 2, {"use_reentrant": False},
+            per_device_train_batch_size=2, max_completion_length=6,
+        ),
+        train_dataset=prompts,
+        processing_class=tokenizer(),
+        callbacks=[callback, steps],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    records = steps.records
+    assert len(steps.rows) == 2 and all(tokens > 0 for tokens, _ in steps.rows)
+    assert [sum(r.tokens) for r in records] == [tokens for tokens, _ in steps.rows]
+    assert all(seq > 4 for r in records for seq in r.seq_lens)  # above seq_high: auto's trigger fires too
+    assert [moved for _, moved in steps.rows] == [expected_bytes(tokens) for tokens, _ in steps.rows]

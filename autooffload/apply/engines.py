@@ -13,21 +13,20 @@ from typing import Protocol
 import torch
 
 from .host_memory import HostMemory
-from .offload import OffloadStats, SyncEngine
+from .offload import LayerInput, OffloadStats, SyncEngine
 from .stream_engine import HostPool, StreamEngine
 
 
 class OffloadEngine(Protocol):
     """Makes the saved-tensor hooks for one call of a checkpointed layer.
 
-    ``last``: the text stack's last layer. ``layer_input``: the layer's input (the first positional tensor of
-    the call); only its storage moves, so masks, position ids and position embeddings that reach the
+    ``last``: the text stack's last layer. ``layer_input``: the layer's inputs (the first positional tensor of
+    the call, and the second activations of its own: :mod:`.layer_inputs`), one tensor or several; only their
+    storages move, so masks, position ids, position embeddings and what several layers share that reach the
     checkpoint as positional arguments stay where they are. ``None``: no such filter.
     """
 
-    def hooks(
-        self, last: bool, layer_input: torch.Tensor | None = None
-    ) -> torch.autograd.graph.saved_tensors_hooks: ...
+    def hooks(self, last: bool, layer_input: LayerInput = None) -> torch.autograd.graph.saved_tensors_hooks: ...
 
     def begin_forward(self) -> None:
         """A top-level training forward begins: its layer calls form one chain, apart from earlier forwards'."""

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from ..observe.sources import input_shape
 from ..observe.targets import CheckpointTarget
+from .layer_inputs import LayerInputs
 
 
 class ForwardState:
@@ -23,8 +25,9 @@ class ForwardState:
     layer was called under grad (``counts``, since the last :meth:`take_counts`). The controller's
     pre-forward hook calls :meth:`new_forward` before every forward, and :meth:`take_counts` at every decision.
 
-    ``on_first_call(position, nbytes)``, when set, hears the bytes of each planned layer's input (its first
-    positional tensor, what :meth:`claim` hands to the engine; 0 when the call has none) at its first
+    ``on_first_call(position, nbytes, shape)``, when set, hears the bytes of each planned layer's inputs (its first
+    positional tensor and the second activations of its own: :mod:`.layer_inputs`, what :meth:`claim` hands to the
+    engine; 0 when the call has none) and its first tensor's (sequence length, tokens) at its first
     grad-enabled call after a take: the size a layer input really has (a source padded to a block size,
     ProphetNet's n-gram streams, a speech pre-net's frames), which no token count read before the forward
     says exactly."""
@@ -34,10 +37,12 @@ class ForwardState:
         self.calls: list[LayerCalls] = []
         self.counts = [0] * layers
         self.calls_per_forward = [1] * layers  # per layer, its latest count of calls that was not 0
-        self.on_first_call: Callable[[int, int], None] | None = None
+        self.inputs = LayerInputs(layers)
+        self.on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None
 
     def new_forward(self) -> None:
         self.moved.clear()
+        self.inputs.new_forward()
         for calls in self.calls:
             calls.count = 0
 
@@ -48,32 +53,31 @@ class ForwardState:
         self.calls_per_forward = [count or last for count, last in zip(counts, self.calls_per_forward, strict=True)]
         return counts
 
-    def counter(self, position: int) -> Callable[[tuple], None]:
+    def counter(self, position: int) -> Callable[[tuple], tuple[torch.Tensor, ...]]:
         """What layer ``position``'s functions call at every call with its arguments: it counts the call when it
-        saves inputs, and reports the first such call's layer input to ``on_first_call``."""
+        saves inputs, reports the first such call's inputs to ``on_first_call``, and returns the tensors of the call
+        that may move (none without grad)."""
 
         @torch.compiler.disable
-        def counted(args: tuple) -> None:
+        def counted(args: tuple) -> tuple[torch.Tensor, ...]:
             if not torch.is_grad_enabled():
-                return
+                return ()
+            inputs = self.inputs.of(position, args)
             if self.counts[position] == 0 and self.on_first_call is not None:
-                layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
-                nbytes = 0 if layer_input is None else layer_input.numel() * layer_input.element_size()
-                self.on_first_call(position, nbytes)
+                nbytes = sum(tensor.numel() * tensor.element_size() for tensor in inputs)
+                self.on_first_call(position, nbytes, input_shape(inputs[0]) if inputs else None)
             self.counts[position] += 1
+            return inputs
 
         return counted
 
     @torch.compiler.disable
-    def claim(self, args: tuple) -> torch.Tensor | None:
-        """The layer input of a call (its first positional tensor), or None when there is none or it was already
-        handed to the engine in this forward."""
-        layer_input = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+    def claim(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Of a call's ``inputs`` (:meth:`counter`'s), those not yet handed to the engine in this forward."""
         self.moved = [ref for ref in self.moved if ref() is not None]
-        if layer_input is None or any(ref() is layer_input for ref in self.moved):
-            return None
-        self.moved.append(weakref.ref(layer_input))
-        return layer_input
+        fresh = tuple(tensor for tensor in inputs if not any(ref() is tensor for ref in self.moved))
+        self.moved.extend(weakref.ref(tensor) for tensor in fresh)
+        return fresh
 
 
 class LayerCalls:

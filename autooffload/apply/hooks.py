@@ -4,8 +4,11 @@ A micro-batch is decided before its forward, at the first module it enters that 
 model, or a planned stack's entry called without it (TRL's Liger-loss path calls ``model.model``; an
 encoder-decoder's base model). The entries inside one call (its encoder and decoder) then find it decided: a
 post-forward hook on the module that decided, which runs even when its forward raises, opens the way for the next
-call. With ``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep
-planner knows how many forwards were alive together.
+call. A call that carries no tokens while a watched entry lies inside it (TRL's ``DistillationTrainer`` calls the
+top model through a redirection, its loss function as the forward, and the backbone inside it with the tokens)
+is passed by: ``enter`` returns False, and the entry inside decides where the tokens are. With
+``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep planner knows
+how many forwards were alive together.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import torch
 from ..observe.stacks import Stack
 from .keep import count_backwards
 
-Enter = Callable[[torch.nn.Module, Sequence[Stack] | None, tuple, dict], None]
+Enter = Callable[[torch.nn.Module, Sequence[Stack] | None, tuple, dict, bool], "bool | None"]
 
 
 class ForwardHooks:
-    """Calls ``enter(module, stacks, args, kwargs)`` once per call of ``model`` or of a module of ``entries`` (each
-    with the stacks it runs) that is not inside another watched call; ``stacks`` is None for the model itself
-    (the controller's planned stacks, whatever they are when it is called). ``on_backward``: called once per
-    backward that reaches the model's last trainable parameter."""
+    """Calls ``enter(module, stacks, args, kwargs, deferrable)`` once per call of ``model`` or of a module of
+    ``entries`` (each with the stacks it runs) that is not inside another watched call that decided; ``stacks`` is
+    None for the model itself (the controller's planned stacks, whatever they are when it is called);
+    ``deferrable``: a watched entry lies inside ``module``, so a call without tokens may leave the decision to it
+    (``enter`` returns False). ``on_backward``: called once per backward that reaches the model's last trainable
+    parameter."""
 
     def __init__(
         self,
@@ -36,20 +41,23 @@ class ForwardHooks:
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
         self._enter = enter
-        self._handles = self._watch(model, None)
+        watched = [module for module, _ in entries if module is not model]
+        self._handles = self._watch(model, None, bool(watched))
         for module, stacks in entries:
             if module is not model:
-                self._handles += self._watch(module, stacks)
+                inner = any(other is not module and _holds(module, other) for other in watched)
+                self._handles += self._watch(module, stacks, inner)
         backward = count_backwards(model, on_backward) if on_backward is not None else None
         if backward is not None:
             self._handles.append(backward)
 
-    def _watch(self, module: torch.nn.Module, stacks: Sequence[Stack] | None) -> list[Any]:
+    def _watch(self, module: torch.nn.Module, stacks: Sequence[Stack] | None, deferrable: bool) -> list[Any]:
         @torch.compiler.disable
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.active is None:
                 self.active = entered
-                self._enter(entered, stacks, args, kwargs)
+                if self._enter(entered, stacks, args, kwargs, deferrable) is False:
+                    self.active = None
 
         @torch.compiler.disable
         def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -66,3 +74,8 @@ class ForwardHooks:
             handle.remove()
         self._handles = []
         self.active = None
+
+
+def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    """Is ``inner`` a submodule of ``outer``? (Read once, when the hooks are put on.)"""
+    return any(module is inner for module in outer.modules())

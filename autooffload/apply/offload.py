@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -41,6 +42,17 @@ class OffloadStats:
         return moved
 
 
+LayerInput = torch.Tensor | Sequence[torch.Tensor] | None  # the tensors whose storages may move (None: any)
+
+
+def storage_keys(layer_input: LayerInput) -> set:
+    """The storage keys of ``layer_input``: one tensor, several (a layer's input and its own second activations)."""
+    if layer_input is None:
+        return set()
+    tensors = (layer_input,) if isinstance(layer_input, torch.Tensor) else tuple(layer_input)
+    return {key for key in (storage_key(tensor) for tensor in tensors) if key is not None}
+
+
 class _Loan:
     """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor."""
 
@@ -61,13 +73,13 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning).
     """
 
-    def __init__(self, stats: OffloadStats, host: HostMemory, layer_input: torch.Tensor | None = None) -> None:
+    def __init__(self, stats: OffloadStats, host: HostMemory, layer_input: LayerInput = None) -> None:
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
-        filtered, only = layer_input is not None, None if layer_input is None else storage_key(layer_input)
+        filtered, only = layer_input is not None, storage_keys(layer_input)
 
         def pack(tensor: torch.Tensor) -> tuple:
-            if filtered and (only is None or storage_key(tensor) != only):
+            if filtered and storage_key(tensor) not in only:
                 return tensor.device, tensor, None
             nbytes = tensor.numel() * tensor.element_size()
             if tensor.device.type == "cpu" and not host.pin:
@@ -100,13 +112,13 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
 class SyncEngine:
     """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too;
-    of the tensors it saves, only the layer input's storage moves (all of them when none is named)."""
+    of the tensors it saves, only the storages of the layer's inputs move (all of them when none is named)."""
 
     def __init__(self, stats: OffloadStats, host: HostMemory | None = None) -> None:
         self.stats = stats
         self.host = host if host is not None else HostMemory()
 
-    def hooks(self, last: bool, layer_input: torch.Tensor | None = None) -> HostOffloadHooks:
+    def hooks(self, last: bool, layer_input: LayerInput = None) -> HostOffloadHooks:
         return HostOffloadHooks(self.stats, self.host, layer_input)
 
     def begin_forward(self) -> None:

@@ -65,7 +65,7 @@ import torch
 
 from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
-from .offload import OffloadStats
+from .offload import LayerInput, OffloadStats, storage_keys
 
 MIN_BYTES = 1024
 
@@ -222,16 +222,16 @@ class _Packed:
 
 
 class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, engine: StreamEngine, keep: bool, layer_input: torch.Tensor | None) -> None:
+    def __init__(self, engine: StreamEngine, keep: bool, layer_input: LayerInput) -> None:
         self.engine = engine
         self.region = engine._open_region()
         region = self.region
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
-        filtered, only = layer_input is not None, None if layer_input is None else storage_key(layer_input)
+        filtered, only = layer_input is not None, storage_keys(layer_input)
 
         def pack(tensor: torch.Tensor) -> _Packed:
-            if filtered and (only is None or storage_key(tensor) != only):
+            if filtered and storage_key(tensor) not in only:
                 return _Packed(region, tensor=tensor)
             return engine._pack(tensor, region, keep)
 
@@ -270,9 +270,9 @@ class StreamEngine:
         self._serial = 0
         self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
 
-    def hooks(self, last: bool, layer_input: torch.Tensor | None = None) -> torch.autograd.graph.saved_tensors_hooks:
-        """Hooks for one call of a checkpointed layer; ``last``: the layer whose input stays on the device;
-        ``layer_input``: the only tensor whose storage may move (any offloadable one when None)."""
+    def hooks(self, last: bool, layer_input: LayerInput = None) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks for one call of a checkpointed layer; ``last``: the layer whose inputs stay on the device;
+        ``layer_input``: the only tensors whose storages may move (any offloadable one when None)."""
         return _RegionHooks(self, last, layer_input)
 
     def begin_forward(self) -> None:

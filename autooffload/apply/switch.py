@@ -5,8 +5,9 @@ its function in its attribute; a *container* (a model file that calls ``self._gr
 ...)`` once per layer) gets a dispatcher (:class:`LayerCalls`) that runs call i with layer i's function,
 counting from 0 again at every forward of the container (a pre-forward hook on it) and of the attached model. A
 layer module that runs several times in one forward (HRM's cycles) runs its function at every call, and every
-call under grad is counted (:class:`ForwardState`). Of a layer call's saved inputs only the layer input moves
-(its first positional tensor): masks, position ids and position embeddings that reach the checkpoint as
+call under grad is counted (:class:`ForwardState`). Of a layer call's saved inputs only the layer's own move (its
+first positional tensor, and a second activation of its own: :mod:`.layer_inputs`): masks, position ids, position
+embeddings and what several layers share that reach the checkpoint as
 positional arguments stay, and so does an input already moved in the same forward.
 
 Each module gets functions built on ``torch.utils.checkpoint.checkpoint`` with its own checkpoint kwargs, less
@@ -40,6 +41,7 @@ from .engines import OffloadEngine, make_engine
 from .forward import ForwardState, LayerCalls
 from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, measuring_plain_function
+from .layer_inputs import argument_names
 from .offload import OffloadStats
 
 
@@ -71,14 +73,25 @@ def _offload_function(
     counted = forward.counter(position)
 
     def checkpoint_offload(function, *args, **call_kwargs):
-        counted(args)
-        layer_input = forward.claim(args)
-        if layer_input is None:
+        inputs = forward.claim(counted(args))
+        if not inputs:
             return checkpoint(function, *args, **kwargs, **call_kwargs)
-        with engine.hooks(last, layer_input):
+        with engine.hooks(last, inputs):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload
+
+
+def _slot_module(slot: Any) -> torch.nn.Module:
+    """The module a planned layer runs: the target itself, or a container's block ``slot.index``."""
+    target = slot.target
+    if target.kind != "container":
+        return target.module
+    prefix = target.name + "." if target.name else ""
+    try:
+        return target.module.get_submodule(target.stack[len(prefix) :])[slot.index]
+    except Exception:  # a container laid out otherwise: its own forward names nothing of a layer's
+        return target.module
 
 
 class CheckpointSwitch:
@@ -107,7 +120,7 @@ class CheckpointSwitch:
         warn: WarnOnce | None = None,
         host: HostMemory | None = None,
         watched: list[tuple[torch.nn.Module, str]] | None = None,
-        on_first_call: Callable[[int, int], None] | None = None,
+        on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None,
         on_measured: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.targets = targets
@@ -131,6 +144,8 @@ class CheckpointSwitch:
             for i, s in enumerate(self.layers)
         ]
         self.forward.on_first_call = self._first_call
+        self.forward.inputs.names = [argument_names(_slot_module(slot)) for slot in self.layers]
+        self.forward.inputs.extras = [slot.target.kind != "container" for slot in self.layers]
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
         self._keep_measured = [
             self._tag(
@@ -202,7 +217,7 @@ class CheckpointSwitch:
         self.offloaded, self.kept, self.measuring, self.order = k, keep, measure, order
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
 
-    def _first_call(self, position: int, nbytes: int) -> None:
+    def _first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no
         tensor positionally (its hidden states go as a keyword argument), which nothing can move."""
         if nbytes == 0:
@@ -214,7 +229,7 @@ class CheckpointSwitch:
                 "input can move to host memory, so autooffload counts it as freeing nothing",
             )
         if self.on_first_call is not None:
-            self.on_first_call(position, nbytes)
+            self.on_first_call(position, nbytes, shape)
 
     @property
     def offloading(self) -> frozenset[int]:

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
+from .sources import source_elements
 from .stacks import DECODER_PARAMETERS, TOKEN_PARAMETERS, Stack
+
+NO_TOKENS = (
+    "{} was called without input_ids or inputs_embeds; the sequence-length trigger is off for such calls and only "
+    "the memory reading decides"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,32 +29,50 @@ class MicroBatch:
     """One micro-batch as the decision sees it: ``seq_len``, the longest of its stacks' lengths (the sequence
     trigger reads it); ``tokens``, its input tokens (an encoder-decoder's source and target together; stacks that
     read one input, such as HRM's, count it once); ``lengths``: (sequence length, tokens) per planned stack, by
-    name (a stack not named runs no tokens)."""
+    name (a stack not named runs no tokens). ``sources``: per stack sized from a raw input (:mod:`.sources`), the
+    elements of that input in this call (a stack not named does not run); their lengths are estimated when the
+    layers are sized (:meth:`.sizes.LayerSizes.size`)."""
 
     seq_len: int
     tokens: int
     lengths: dict[str, tuple[int, int]]
+    sources: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
-        cls, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None, stacks: list[Stack]
+        cls,
+        seq_len: int,
+        tokens: int,
+        lengths: dict[str, tuple[int, int]] | None,
+        stacks: list[Stack],
+        sources: dict[str, int] | None = None,
     ) -> MicroBatch:
-        """``lengths`` as given, or, without them, every one of ``stacks`` running ``seq_len`` and ``tokens``."""
-        given = dict(lengths) if lengths is not None else {stack.name: (seq_len, tokens) for stack in stacks}
-        return cls(seq_len, tokens, given)
+        """``lengths`` as given, or, without them, every one of ``stacks`` read from tokens running ``seq_len`` and
+        ``tokens``."""
+        read = [stack for stack in stacks if not stack.sources]
+        given = dict(lengths) if lengths is not None else {stack.name: (seq_len, tokens) for stack in read}
+        return cls(seq_len, tokens, given, dict(sources or {}))
 
 
 def read_micro_batch(module: torch.nn.Module, stacks: list[Stack], args: tuple, kwargs: dict) -> MicroBatch | None:
     """The micro-batch a call of ``module`` (the attached model or an entry) runs through ``stacks``; None when the
-    call carries no tokens it can read (no ``input_ids``, ``inputs_embeds`` or features)."""
-    lengths = read_lengths(module, stacks, args, kwargs) if stacks else {}
+    call carries no tokens it can read (no ``input_ids``, ``inputs_embeds`` or features) and no raw input a planned
+    stack runs on."""
+    read = [stack for stack in stacks if not stack.sources]
+    measured = [stack for stack in stacks if stack.sources]
+    lengths = read_lengths(module, read, args, kwargs) if read else {}
+    sources: dict[str, int] = {}
+    if measured:
+        bound = _bind(module, args, kwargs)
+        found = {stack.name: source_elements(bound, stack.sources) for stack in measured}
+        sources = {name: elements for name, elements in found.items() if elements}
     if not lengths:
         shape = token_shape(args, kwargs)
         if shape is None:
-            return None
-        return MicroBatch(shape[0], shape[1], {stack.name: shape for stack in stacks})
-    by_role = {stack.role: lengths[stack.name][1] for stack in stacks if stack.name in lengths}
-    return MicroBatch(max(seq for seq, _ in lengths.values()), sum(by_role.values()), lengths)
+            return MicroBatch(0, 0, {}, sources) if sources else None
+        return MicroBatch(shape[0], shape[1], {stack.name: shape for stack in read}, sources)
+    by_role = {stack.role: lengths[stack.name][1] for stack in read if stack.name in lengths}
+    return MicroBatch(max(seq for seq, _ in lengths.values()), sum(by_role.values()), lengths, sources)
 
 
 def token_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
@@ -98,8 +122,10 @@ def read_lengths(module: torch.nn.Module, stacks: list[Stack], args: tuple, kwar
     bound = _bind(module, args, kwargs)
     found: dict[str, tuple[int, int]] = {}
     for stack in stacks:
-        own = stack.entry is module or stack.role != "decoder"
-        keys = TOKEN_PARAMETERS if own else DECODER_PARAMETERS
+        if stack.role != "decoder":
+            keys = TOKEN_PARAMETERS
+        else:  # at its own entry, its tokens; above it (or where its entry is the model: SpeechT5's), the decoder's
+            keys = TOKEN_PARAMETERS if stack.entry is module and stack.entry_name else DECODER_PARAMETERS
         for key in keys:
             shape = _shape(bound.get(key), stack if key == "input_features" else None)
             if shape is not None:

@@ -9,7 +9,10 @@ residual streams of a hyper-connection model). The config gives first guesses; t
   size, ProphetNet's n-gram streams, a speech pre-net's frames): before anything moved, the first stack's report
   sets ``token_bytes``; after, a report sets its stack's width;
 - at a step's end, where no layer call reported, ``token_bytes`` is measured from the bytes the engine moved;
-- a layer whose call passes no tensor positionally (its hidden states go as a keyword) frees nothing.
+- a layer whose call passes no tensor positionally (its hidden states go as a keyword) frees nothing;
+- a stack sized from a raw input (:mod:`.sources`: a speech encoder on audio samples, a vision tower on pixels) has
+  no tokens before its forward: each of its layers' first call sets that layer's bytes per element of the input,
+  and the stack's first layer its length per element, so the next micro-batch is sized from its input's elements.
 
 A layer that runs several times in one forward (HRM's cycles) holds one input per call: its bytes are its calls
 in the last forward that ran it x one call's. Plain numbers only: the apply side reports, this module counts.
@@ -36,6 +39,7 @@ class Sized:
     bytes_per_layer: int | None
     per_call: list[float]
     token_bytes: float | None
+    batch: MicroBatch | None = None  # the micro-batch, with the lengths of the stacks sized from a raw input
 
 
 class LayerSizes:
@@ -44,9 +48,14 @@ class LayerSizes:
     def __init__(self) -> None:
         self.token_bytes: float | None = None  # a layer input's bytes per token: the config's, then measured
         self.widths: dict[str, float] = {}  # each stack's layer input per token, relative to token_bytes
+        self.layer_widths: dict[int, float] = {}  # the same per layer, where its first call showed it
         self.config_widths: dict[str, float] = {}  # the same from the config: what a new run starts with
         self.guess: float | None = None  # token_bytes from the config of the attached model (None: detached)
         self.layer_stacks: tuple[str, ...] = ()
+        self.measured: dict[str, str] = {}  # stacks sized from a raw input: name -> role
+        self.first_layer: dict[str, int] = {}  # each stack's first planned layer
+        self.source_bytes: dict[int, float] = {}  # per layer of such a stack: its input's bytes per source element
+        self.source_shape: dict[str, tuple[float, float]] = {}  # per such stack: (seq, tokens) per source element
         self.inputless: set[int] = set()  # layers whose calls pass no tensor positionally: nothing moves
         self.batch: MicroBatch | None = None  # the running micro-batch
         # Per planned layer (module order), what the running micro-batch's decision sized its saved inputs at, all
@@ -64,10 +73,21 @@ class LayerSizes:
         self.inputless = set()
         self.guess = layout.token_bytes if layout.targets else self.guess
         self.token_bytes = self.token_bytes or self.guess
-        self.layer_stacks = layout.layer_stacks
+        self.layer_stacks = stacks = layout.layer_stacks
+        self.measured = {stack.name: stack.role for stack in layout.stacks if stack.sources}
         self.config_widths = dict(layout.widths)
         learned = {name: width for name, width in self.widths.items() if name in self.config_widths}
         self.widths = {**self.config_widths, **learned}
+
+        def kept(position: int, measured: bool) -> bool:
+            return position < len(stacks) and (stacks[position] in self.measured) == measured
+
+        self.source_bytes = {p: ratio for p, ratio in self.source_bytes.items() if kept(p, True)}
+        self.layer_widths = {p: width for p, width in self.layer_widths.items() if kept(p, False)}
+        self.source_shape = {name: shape for name, shape in self.source_shape.items() if name in self.measured}
+        self.first_layer = {}
+        for position, stack in enumerate(stacks):
+            self.first_layer.setdefault(stack, position)
         self.running = None
 
     def detach(self) -> None:
@@ -78,46 +98,88 @@ class LayerSizes:
         """A new run: the config's guesses, nothing running, nothing counted."""
         self.token_bytes = self.guess
         self.widths = dict(self.config_widths)
+        self.source_bytes, self.source_shape, self.layer_widths = {}, {}, {}
         self.batch, self.planned_layer_bytes, self.bytes_per_layer, self.running = None, None, None, None
         self.step_layer_tokens, self.reported = 0.0, False
 
     def size(self, batch: MicroBatch, calls: list[int]) -> Sized:
         """Size the planned layers for ``batch``; ``calls``: each layer's calls in the last forward that ran it."""
+        batch = self._complete(batch)
         self.batch = batch
-        per_call = [
-            0.0 if position in self.inputless else batch.lengths.get(stack, (0, 0))[1] * self.widths.get(stack, 1.0)
-            for position, stack in enumerate(self.layer_stacks)
-        ]
+        unit = self.token_bytes
+        per_call = [self._per_call(position, stack, batch, unit) for position, stack in enumerate(self.layer_stacks)]
         layer_tokens = [count * tokens for count, tokens in zip(calls, per_call, strict=True)]
         order = tuple(sorted(range(len(layer_tokens)), key=lambda i: -layer_tokens[i]))
-        unit = self.token_bytes
         self.planned_layer_bytes = tuple(round(t * unit) for t in layer_tokens) if unit else None
         planned = self.planned_layer_bytes
         layer_bytes = tuple(planned[i] for i in order) if planned is not None else None
         self.bytes_per_layer = round(sum(layer_bytes) / len(layer_bytes)) if layer_bytes else None
-        return Sized(order, layer_bytes, self.bytes_per_layer, per_call, unit)
+        return Sized(order, layer_bytes, self.bytes_per_layer, per_call, unit, batch)
+
+    def _per_call(self, position: int, stack: str, batch: MicroBatch, unit: float | None) -> float:
+        """One call's input of layer ``position``, in units of ``unit`` (the bytes per token)."""
+        if position in self.inputless:
+            return 0.0
+        if stack in self.measured:
+            learned = self.source_bytes.get(position)
+            return learned * batch.sources.get(stack, 0) / unit if learned is not None and unit else 0.0
+        width = self.layer_widths.get(position, self.widths.get(stack, 1.0))
+        return batch.lengths.get(stack, (0, 0))[1] * width
+
+    def _complete(self, batch: MicroBatch) -> MicroBatch:
+        """``batch`` with the lengths of the stacks sized from a raw input, from its elements and what their first
+        layer showed per element (0 before it ran); the longest length and the tokens count them (per role)."""
+        if not self.measured:
+            return batch
+        lengths = dict(batch.lengths)
+        added: dict[str, int] = {}
+        for stack, role in self.measured.items():
+            per_element = self.source_shape.get(stack)
+            elements = batch.sources.get(stack, 0)
+            if per_element is None or not elements:
+                continue
+            seq, tokens = round(per_element[0] * elements), round(per_element[1] * elements)
+            lengths[stack] = (seq, tokens)
+            added[role] = max(added.get(role, 0), tokens)
+        seq_len = max([batch.seq_len, *(seq for seq, _ in lengths.values())])
+        return MicroBatch(seq_len, batch.tokens + sum(added.values()), lengths, dict(batch.sources))
 
     def start(self, offloaded: frozenset[int], sized: Sized) -> None:
         """The micro-batch runs with the layers at ``offloaded`` on offload."""
         self.running = (offloaded, list(sized.per_call))
 
-    def first_call(self, position: int, nbytes: int, moved_any: bool) -> None:
-        """Layer ``position``'s first call in the micro-batch saves an input of ``nbytes`` (0: none it can move).
-        ``moved_any``: bytes were moved before in this run (else ``token_bytes`` is still the config's guess)."""
+    def first_call(self, position: int, nbytes: int, moved_any: bool, shape: tuple[int, int] | None = None) -> None:
+        """Layer ``position``'s first call in the micro-batch saves an input of ``nbytes`` (0: none it can move), of
+        ``shape`` (its sequence length and tokens). ``moved_any``: bytes were moved before in this run (else
+        ``token_bytes`` is still the config's guess)."""
         if nbytes == 0:
             self.inputless.add(position)
         else:
             self.inputless.discard(position)
         stack = self.layer_stacks[position]
-        tokens = self.batch.lengths.get(stack, (0, 0))[1] if self.batch is not None else 0
-        if tokens > 0 and nbytes > 0:
-            if not moved_any and stack == self.layer_stacks[0]:
-                self.token_bytes = nbytes / (tokens * self.widths.get(stack, 1.0))
-            elif self.token_bytes:
-                self.widths[stack] = nbytes / (tokens * self.token_bytes)
+        if stack in self.measured:
+            self._learn_source(position, stack, nbytes, shape)
+        else:
+            tokens = self.batch.lengths.get(stack, (0, 0))[1] if self.batch is not None else 0
+            if tokens > 0 and nbytes > 0:
+                first = next((s for s in self.layer_stacks if s not in self.measured), None)
+                if not moved_any and stack == first and position == self.first_layer.get(stack):
+                    self.token_bytes = nbytes / (tokens * self.widths.get(stack, 1.0))
+                elif self.token_bytes:
+                    self.widths[stack] = nbytes / (tokens * self.token_bytes)
+                if self.token_bytes:  # a layer may hold more than its stack's width (a second activation)
+                    self.layer_widths[position] = nbytes / (tokens * self.token_bytes)
         if self.running is not None and self.token_bytes:
             self.running[1][position] = nbytes / self.token_bytes
             self.reported |= position in self.running[0]
+
+    def _learn_source(self, position: int, stack: str, nbytes: int, shape: tuple[int, int] | None) -> None:
+        elements = self.batch.sources.get(stack, 0) if self.batch is not None else 0
+        if not elements or not nbytes:
+            return
+        self.source_bytes[position] = nbytes / elements
+        if shape is not None and position == self.first_layer.get(stack):
+            self.source_shape[stack] = (shape[0] / elements, shape[1] / elements)
 
     def planned_bytes(self, counts: list[int]) -> float | None:
         """What the running micro-batch's offloaded layers move by the arithmetic, for their ``counts`` of calls so
@@ -144,7 +206,13 @@ class LayerSizes:
         self.step_layer_tokens, self.reported = 0.0, False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layer_token_bytes": self.token_bytes, "stack_width": dict(self.widths)}
+        state: dict[str, Any] = {"layer_token_bytes": self.token_bytes, "stack_width": dict(self.widths)}
+        if self.layer_widths:
+            state["layer_width"] = {str(position): width for position, width in self.layer_widths.items()}
+        if self.source_bytes:
+            state["source_bytes"] = {str(position): ratio for position, ratio in self.source_bytes.items()}
+            state["source_shape"] = {name: list(shape) for name, shape in self.source_shape.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.token_bytes = state.get("layer_token_bytes") or self.token_bytes
@@ -152,3 +220,10 @@ class LayerSizes:
         if isinstance(widths, dict):  # before attach every name; after, those of the planned stacks
             known = self.config_widths or widths
             self.widths.update({str(name): float(width) for name, width in widths.items() if name in known})
+        layer_widths = state.get("layer_width")
+        if isinstance(layer_widths, dict):
+            self.layer_widths = {int(position): float(width) for position, width in layer_widths.items()}
+        learned, shapes = state.get("source_bytes"), state.get("source_shape")
+        if isinstance(learned, dict) and isinstance(shapes, dict):
+            self.source_bytes = {int(position): float(ratio) for position, ratio in learned.items()}
+            self.source_shape = {str(name): (float(seq), float(tokens)) for name, (seq, tokens) in shapes.items()}

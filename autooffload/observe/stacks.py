@@ -4,7 +4,9 @@ A decoder-only model plans its text stack: the layers that run on the token embe
 model (``config.is_encoder_decoder``: T5, BART, Whisper) plans two, the encoder's and the decoder's, each with
 its own length (source and target) and its own bytes per token. A model whose language layers come in several
 stacks under the module that embeds the tokens (HRM's ``L_module`` and ``H_module``, run in cycles) plans all of
-them. Other stacks (a VLM's vision blocks, an audio encoder nested in the embedding path) keep plain checkpointing.
+them. A stack that runs on what the model computes from a raw input (a VLM's vision tower on ``pixel_values``, a
+speech encoder on audio samples: :mod:`.sources`) is planned too, sized from that input; a stack with neither keeps
+plain checkpointing.
 
 Each planned stack has an *entry*: the nearest module at or above the stack's owner whose ``forward`` takes the
 tokens (``input_ids``, ``inputs_embeds`` or ``input_features``). The controller decides at the first entry a
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .sources import raw_source
+
 TOKEN_PARAMETERS = ("input_ids", "inputs_embeds", "input_features")
 DECODER_PARAMETERS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
 
@@ -32,7 +36,9 @@ class Stack:
     ``hidden``: the hidden size of its layer input (None: unknown); ``convs``: (kernel, stride, padding,
     dilation) of each strided 1-D convolution the entry runs on ``input_features`` before the layers (Whisper's
     and Speech2Text's subsamplers), and ``features``: the feature size the first of them takes (which axis of
-    ``input_features`` holds the frames: the last for Whisper, the middle one for Speech2Text)."""
+    ``input_features`` holds the frames: the last for Whisper, the middle one for Speech2Text). ``sources``: for a
+    stack that runs on a raw input rather than tokens (:mod:`.sources`), the names that input may have in the
+    deciding call (empty for a stack read from its tokens); its ``role`` is ``"encoder"`` or ``"tower"``."""
 
     name: str
     role: str
@@ -41,6 +47,7 @@ class Stack:
     hidden: int | None = None
     convs: tuple[tuple[int, int, int, int], ...] = ()
     features: int | None = None
+    sources: tuple[str, ...] = ()
 
 
 def stack_sizes(targets: list[Any]) -> dict[str, int]:
@@ -68,23 +75,19 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
         encoder_stacks = [s for s in sizes if _under(s, halves[0])]
         decoder_stacks = [s for s in sizes if _under(s, halves[1]) and s not in encoder_stacks]  # Florence-2's
         # get_decoder() returns the language model that holds the encoder too
-        chosen = [_text_stacks(model, found, sizes, names) for found in (encoder_stacks, decoder_stacks)]
-        if all(half is not None for half in halves) and all(found is not None and len(found) == 1 for found in chosen):
-            encoder, decoder = chosen[0][0], chosen[1][0]
-            planned = [
-                _stack(model, modules, encoder, "encoder", owners[encoder]),
-                _stack(model, modules, decoder, "decoder", owners[decoder]),
-            ]
-            unread = [stack for stack in planned if not _readable(stack, model)]
-            if unread:
-                stack = unread[0]
-                return [], (
-                    "stack-length",
-                    f"{type(model).__name__}'s {stack.role} ({stack.name}) runs on an input whose length autooffload "
-                    f"cannot read (its forward takes none of {', '.join(TOKEN_PARAMETERS)}), so autooffload plans "
-                    "no layer of this model: every checkpointed layer keeps plain checkpointing",
-                )
-            return planned, None
+        planned: list[Stack] | None = [] if all(half is not None for half in halves) else None
+        for role, found in (("encoder", encoder_stacks), ("decoder", decoder_stacks)):
+            half = _half(model, modules, role, found, sizes, names, owners) if planned is not None else None
+            planned = None if half is None else [*planned, *half]  # type: ignore[misc]
+        if planned is not None:
+            return planned + _towers(modules, sizes, owners, planned), None
+        if all(half is not None for half in halves) and encoder_stacks and decoder_stacks:
+            return [], (
+                "stack-length",
+                f"{type(model).__name__}'s encoder runs on an input whose length autooffload cannot read (its forward "
+                f"takes none of {', '.join(TOKEN_PARAMETERS)}, nor a raw input it knows), so autooffload plans no "
+                "layer of this model: every checkpointed layer keeps plain checkpointing",
+            )
         found = (_text_stacks(model, list(sizes), sizes, names) or [])[-1:]
         others = [name for name in sizes if name not in found]
         warning = (
@@ -94,7 +97,50 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
         )
         return [_stack(model, modules, name, "text", owners[name]) for name in found], ("stacks-apart", warning)
     found = _text_stacks(model, list(sizes), sizes, names) or []
-    return [_stack(model, modules, name, "text", owners[name]) for name in found], None
+    text = [_stack(model, modules, name, "text", owners[name]) for name in found]
+    return text + _towers(modules, sizes, owners, text), None
+
+
+def _half(
+    model: torch.nn.Module,
+    modules: dict[str, torch.nn.Module],
+    role: str,
+    found: list[str],
+    sizes: dict[str, int],
+    names: dict[int, str],
+    owners: dict[str, str],
+) -> list[Stack] | None:
+    """The planned stacks of an encoder-decoder's half: its one text stack where its length can be read from the
+    tokens; else, for the encoder, every stack of it sized from the raw input it runs on (Moonshine's and
+    SpeechT5's encoders, wav2vec2's feature extractor and transformer); None where neither works."""
+    chosen = _text_stacks(model, found, sizes, names)
+    if chosen is not None and len(chosen) == 1:
+        stack = _stack(model, modules, chosen[0], role, owners[chosen[0]])
+        if _readable(stack, model):
+            return [stack]
+    if role != "encoder" or not found:
+        return None
+    measured = [_measured(modules, name, role, owners[name]) for name in found]
+    return None if None in measured else measured  # type: ignore[return-value]
+
+
+def _towers(
+    modules: dict[str, torch.nn.Module], sizes: dict[str, int], owners: dict[str, str], planned: list[Stack]
+) -> list[Stack]:
+    """The stacks not planned from tokens that run on a raw input (a VLM's vision tower, an audio tower)."""
+    taken = {stack.name for stack in planned}
+    towers = [_measured(modules, name, "tower", owners[name]) for name in sizes if name not in taken]
+    return [tower for tower in towers if tower is not None]
+
+
+def _measured(modules: dict[str, torch.nn.Module], name: str, role: str, owner: str) -> Stack | None:
+    """A stack sized from the raw input its entry's call carries (:mod:`.sources`); None where none is found."""
+    found = raw_source(modules, owner)
+    if found is None:
+        return None
+    entry_name, sources = found
+    config = getattr(modules[owner], "config", None) or getattr(modules[entry_name], "config", None)
+    return Stack(name, role, modules[entry_name], entry_name, _hidden(config), sources=sources)
 
 
 def _part(model: torch.nn.Module, getter: str, names: dict[int, str]) -> str | None:
@@ -158,8 +204,9 @@ def _readable(stack: Stack, model: torch.nn.Module) -> bool:
     """Can :func:`.inputs.read_lengths` read this stack's length from a call of its entry or of the attached model?"""
     if takes_tokens(stack.entry):
         return True
-    keys = DECODER_PARAMETERS if stack.role == "decoder" else TOKEN_PARAMETERS
-    return stack.entry is not model and any(name in keys for name in _parameters(model))
+    if stack.role == "decoder":  # the model's call gives the decoder's length (SpeechT5's entry is the model)
+        return any(name in DECODER_PARAMETERS for name in _parameters(model))
+    return stack.entry is not model and any(name in TOKEN_PARAMETERS for name in _parameters(model))
 
 
 def takes_tokens(module: torch.nn.Module) -> bool:

@@ -1,0 +1,95 @@
+"""Apply: which tensors of a checkpointed layer call belong to that layer alone, and so may move to host memory.
+
+A layer call's first positional tensor is its input (the hidden states). Some models pass a layer a second
+activation of its own: ZAYA its router's hidden states, Pegasus-X its global tokens, each made by the layer before
+it for this layer alone. Those move as well. What several layers share stays: the encoder's states every decoder
+layer attends to, T5's position bias, masks and rotary tables (which need no gradient), and a view into a tensor
+that holds every layer's slice (Gemma-4's per-layer inputs: moving one slice frees nothing while the others stay).
+
+A second tensor is a layer's own when it is a floating-point activation (it requires grad), owns its storage (it is
+not a view into a larger one), and no other layer call of the forward receives it. The last is known only once a
+forward has run, so it is learned, per layer and argument position, from each forward (every call's tensors are
+noted); within a forward, a tensor an earlier call received is shared at once. Before a forward has shown it, the
+layer's ``forward`` names it: an argument named for what layers share (``encoder_hidden_states``, a mask, a
+position bias or embedding, rotary tables) is shared, any other named argument the layer's own (ZAYA's
+``prev_router_hidden_states``, Pegasus-X's ``global_hidden_states``), and one without a name (``*args``) shared.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+
+class LayerInputs:
+    """Per planned layer, the tensors of a call that move: its input and the second activations of its own."""
+
+    def __init__(self, layers: int) -> None:
+        self.own: list[dict[int, bool]] = [{} for _ in range(layers)]  # learned: argument place -> its own
+        self.names: list[tuple[str, ...]] = [() for _ in range(layers)]  # each layer's forward's positional names
+        # Per layer: may a second tensor move? Not for a container's calls (a model that calls the checkpoint for
+        # its layers, as many did on transformers 4.52): what it passes beside the input varies by call.
+        self.extras: list[bool] = [True] * layers
+        # This forward: tensor id -> (a weak reference to the tensor, its (layer, argument position) places). Weak:
+        # a strong one would keep an offloaded input on the device; a dead one means the id was reused.
+        self._seen: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
+
+    def new_forward(self) -> None:
+        """A forward begins: what the last one showed is learned (a tensor received by one call only is that
+        layer's own), and the notes start again."""
+        for _, places in self._seen.values():
+            for position, place in places:
+                if place >= 0 and position < len(self.own):
+                    self.own[position][place] = len(places) == 1
+        self._seen = {}
+
+    def of(self, position: int, args: tuple) -> tuple[torch.Tensor, ...]:
+        """The tensors of layer ``position``'s call with ``args`` that move: its first positional tensor, then its
+        own second activations (none: no positional tensor)."""
+        places = [(place, arg) for place, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        if not places:
+            return ()
+        moving = [places[0][1]]
+        if position >= len(self.extras) or not self.extras[position]:
+            return (places[0][1],)
+        names = self.names[position] if position < len(self.names) else ()
+        for index, (place, tensor) in enumerate(places):
+            noted = self._seen.get(id(tensor))
+            if noted is None or noted[0]() is not tensor:
+                noted = self._seen[id(tensor)] = (weakref.ref(tensor), [])
+            earlier = noted[1]
+            earlier.append((position, place if index > 0 else -1))
+            if index == 0 or len(earlier) > 1 or not _activation(tensor):
+                continue
+            learned = self.own[position].get(place) if position < len(self.own) else None
+            guess = place < len(names) and not any(word in names[place] for word in SHARED_NAMES)
+            if learned if learned is not None else guess:
+                moving.append(tensor)
+        return tuple(moving)
+
+
+SHARED_NAMES = ("encoder", "mask", "position", "bias", "rotary", "cos", "sin", "cache", "past", "memory")
+
+
+def argument_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s positional ``forward`` parameters (a ``CheckpointWrapper``'s wrapped module's)."""
+    module = getattr(module, "_checkpoint_wrapped_module", module)
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(parameter.name for parameter in parameters if parameter.kind in kinds)
+
+
+def _activation(tensor: torch.Tensor) -> bool:
+    """A floating-point tensor that requires grad and owns its storage (not a view into a larger one)."""
+    if not (tensor.is_floating_point() and tensor.requires_grad) or tensor.layout != torch.strided:
+        return False
+    try:
+        storage = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+        return False
+    return tensor.storage_offset() == 0 and storage == tensor.numel() * tensor.element_size()

@@ -1,0 +1,129 @@
+"""A layer's second activation of its own moves with its input; what several layers share stays.
+
+A tiny model whose layers (torch's ``CheckpointWrapper``) take ``(hidden, own, encoder_states)`` positionally: ``own``
+is made by the layer before for this layer alone (as ZAYA's router states and Pegasus-X's global tokens are),
+``encoder_states`` is one tensor every layer receives (as an encoder-decoder's decoder layers do). Bytes moved must
+be every layer's hidden and own tensor, from the first step on, and equal autooffload's arithmetic; losses and
+gradients equal plain checkpointing's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from autooffload import OffloadController, Settings
+
+LAYERS, HIDDEN, OWN, VOCAB, BATCH, SEQ = 3, 32, 8, 64, 2, 16
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.read_own = torch.nn.Linear(OWN, HIDDEN)
+        self.read_shared = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.make_own = torch.nn.Linear(HIDDEN, OWN)
+
+    def forward(self, hidden, own, encoder_states):
+        mixed = self.mix(hidden).tanh() * self.read_own(own).sigmoid()
+        hidden = hidden + mixed + self.read_shared(encoder_states).tanh()
+        return hidden, self.make_own(hidden)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.first_own = torch.nn.Linear(HIDDEN, OWN)
+        self.shared = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.layers = torch.nn.ModuleList(checkpoint_wrapper(Layer(), preserve_rng_state=False) for _ in range(LAYERS))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        own, shared = self.first_own(hidden), self.shared(hidden)
+        for layer in self.layers:
+            hidden, own = layer(hidden, own, shared)
+        return hidden.pow(2).mean()
+
+
+def steps(mode: str | None, level: int | None = None):
+    class Fixed:
+        def decide(self, observation):
+            return level
+
+    net = Net()
+    net.train()
+    controller = None
+    if mode is not None:
+        controller = OffloadController(Settings(mode=mode), probe=None, policy=Fixed() if level else None)
+        controller.attach(net)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    moved, arithmetic, grads = [], [], []
+    for _ in range(2):
+        net.zero_grad()
+        loss = net(ids)
+        loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        if controller is not None:
+            arithmetic.append(controller.planned_bytes())
+            controller.end_step()
+            moved.append(controller.last_step_bytes)
+    return moved, arithmetic, grads
+
+
+def per_layer() -> int:
+    return BATCH * SEQ * (HIDDEN + OWN) * 4
+
+
+def test_every_layer_moves_its_input_and_its_own_second_activation_and_the_shared_tensor_stays():
+    _, _, reference = steps(None)
+    moved, arithmetic, grads = steps("on")
+    assert moved == [LAYERS * per_layer()] * 2
+    assert arithmetic == moved
+    assert all(
+        torch.equal(a, b)
+        for step, plain in zip(grads, reference, strict=True)
+        for a, b in zip(step, plain, strict=True)
+    )
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_partial_level_counts_each_layers_own_activation(level):
+    moved, arithmetic, _ = steps("auto", level)
+    assert moved == [level * per_layer()] * 2
+    assert arithmetic == moved
+
+
+def test_nothing_autooffload_notes_keeps_a_moved_input_alive():
+    # The host copies stand in for the layer inputs: once the forward returns, nothing holds the originals (a
+    # reference kept to learn which tensors layers share would keep every offloaded input on the device).
+    import gc
+    import weakref
+
+    from autooffload.apply.host_memory import HostMemory
+
+    net = Net()
+    net.train()
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
+    controller.attach(net)
+    inputs: list[weakref.ref] = []
+    for layer in net.layers:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        inputs.clear()
+        loss = net(ids)
+        gc.collect()
+        # the first layer's input is the embedding's output, which the model's own first_own and shared read (their
+        # backward holds it); every later one was made by a layer and is held by nothing but the host copy
+        assert [ref() is None for ref in inputs] == [False] + [True] * (LAYERS - 1)
+        loss.backward()
+        controller.end_step()
+    assert controller.last_step_bytes == LAYERS * per_layer()
