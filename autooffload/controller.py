@@ -62,14 +62,17 @@ class OffloadController(Run):
 
     # ---- attach and detach --------------------------------------------------------------------------
 
-    @guarded("attach", False, retry=True)
+    @guarded("attach", False, always=True)
     def attach(self, model: torch.nn.Module, *, compiled: bool | None = None, optimizer: Any = None) -> bool:
-        """Install the checkpoint functions and the hooks. False (with a warning) if there is nothing to control.
+        """Install the checkpoint functions and the hooks. False (with a warning) if there is nothing to control,
+        or if this run gave up (until it ends: :meth:`finish`; then a new attach tries again).
 
         ``optimizer``: the run's optimizer, so that state it has not allocated yet (Adam's, before the first
         ``step()``) is foreseen in the first steps; without it that state is unknown until a reading holds it.
         """
-        self.failed = False
+        if self.failed:
+            self.fallback.attach_refused()  # under torch.distributed the other ranks are in the join
+            return False
         self.detach()
         lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing
@@ -91,7 +94,7 @@ class OffloadController(Run):
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)
         backwards = self.planner.backward if recompute == "auto" else None
-        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards)
+        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.entered)
         fixed = self.planner.fixed_level(self.memory.rescuing)
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
@@ -116,15 +119,13 @@ class OffloadController(Run):
         self.planner.attach(layout, compiled)
 
     def give_up(self, where: str, error: BaseException) -> None:
-        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing for the rest
-        of the run (the hooks removed, transformers-equivalent checkpoint functions installed)."""
+        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing until the run ends
+        (the hooks removed, transformers-equivalent checkpoint functions installed), on every rank
+        (:mod:`autooffload.fallback`: what this rank owes the others)."""
         self.failed = True
-        self.warn(
-            "failed",
-            f"internal error in {where} ({type(error).__name__}: {error}); autooffload stops and the run goes on "
-            "with plain checkpointing (please report this with the model's config)",
-        )
-        model = self._model
+        model, layout = self._model, self.layout
+        entries = [module for module, _ in layout.entries if module is not model] if layout is not None else []
+        self.fallback.give_up(where, error, [model, *entries] if model is not None else [])
         try:
             self.detach()
         except Exception:  # the switch itself is broken: forget it, the functions are replaced below
@@ -288,6 +289,7 @@ class OffloadController(Run):
         last, layers = self.memory.last, len(self.switch.layers) if self.switch is not None else None
         self.record.end_step(rescued, (last.fraction, last.bytes, last.total), layers, self.settings)
 
+    @guarded("load")
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.switch is not None:

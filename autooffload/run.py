@@ -7,6 +7,7 @@ reads and writes between two calls, each concern in the part that owns it:
 - ``memory`` (:mod:`~autooffload.observe.memory`): the probe and the last step's reading;
 - ``planner`` (:mod:`~autooffload.decide.planner`): the policy, the keep planner, the compile budget;
 - ``agreement`` (:mod:`~autooffload.distributed`): this rank's part in the ranks' one level;
+- ``fallback`` (:mod:`~autooffload.fallback`): what giving up does, and what this rank then owes the others;
 - ``record`` (:mod:`~autooffload.record`): the counters, the history, the metrics and the summary;
 - ``host`` (:mod:`~autooffload.apply.host_memory`): the host buffers both engines take from.
 
@@ -27,6 +28,8 @@ from .apply.offload import OffloadStats
 from .decide.planner import Planner
 from .decide.policy import Policy
 from .distributed import RankAgreement
+from .fallback import Fallback
+from .guard import guarded
 from .history import StepRecord
 from .observe.memory import MemoryMonitor
 from .observe.probe import MemoryProbe
@@ -82,11 +85,12 @@ class Run:
         )
         self._settings = settings
         self.warn = WarnOnce()
-        self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
+        self.failed = False  # autooffload.guard gave up: plain checkpointing until the run ends
         self.host = host if host is not None else HostMemory()
         self.sizes = LayerSizes()
         self.memory = MemoryMonitor(probe, self.warn)
-        self.agreement = RankAgreement(settings)
+        self.agreement = RankAgreement(settings, self.warn)
+        self.fallback = Fallback(self.agreement, self.warn)
         policy = None if isinstance(policy, str) else policy
         self.planner = Planner(settings, self.warn, policy, CompileBudget, self.agreement.agree, PAGE)
         self.record = RunRecord(self.warn)
@@ -220,9 +224,19 @@ class Run:
         budget = (planner.budget.spent, self.settings.compile_max_switches, planner.latched)
         return self.record.summary(self.settings.mode, self.memory.peak_fraction, budget if planner.compiled else None)
 
+    @guarded("finish", "", always=True)
     def finish(self) -> str:
         """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
         gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
-        others'. Returns the summary."""
-        self.record.worst_rank = self.agreement.worst(self.memory.peak_fraction)
+        others' (a rank that gave up makes it too). Ends the run: after giving up, the next run tries again.
+        Returns the summary."""
+        try:
+            self.record.worst_rank = self.agreement.worst(self.memory.peak_fraction)
+        finally:
+            self.end_run()
         return self.summary()
+
+    def end_run(self) -> None:
+        """The run ended (or a Trainer's new one begins): a give-up is over, nothing is owed to other ranks."""
+        self.fallback.end()
+        self.failed = False

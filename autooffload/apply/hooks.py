@@ -5,7 +5,8 @@ model, or a planned stack's entry called without it (TRL's Liger-loss path calls
 encoder-decoder's base model). The entries inside one call (its encoder and decoder) then find it decided: a
 post-forward hook on the module that decided, which runs even when its forward raises, opens the way for the next
 call. With ``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep
-planner knows how many forwards were alive together.
+planner knows how many forwards were alive together. Before the controller hears of a training micro-batch
+(in train mode, under grad), ``entered`` does: the ranks' agreement is then due, whatever the controller does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class ForwardHooks:
     """Calls ``enter(module, stacks, args, kwargs)`` once per call of ``model`` or of a module of ``entries`` (each
     with the stacks it runs) that is not inside another watched call; ``stacks`` is None for the model itself
     (the controller's planned stacks, whatever they are when it is called). ``on_backward``: called once per
-    backward that reaches the model's last trainable parameter."""
+    backward that reaches the model's last trainable parameter; ``entered``: called before ``enter`` for a call in
+    train mode under grad (a training micro-batch), and must not raise."""
 
     def __init__(
         self,
@@ -33,9 +35,11 @@ class ForwardHooks:
         entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]],
         enter: Enter,
         on_backward: Callable[[], None] | None = None,
+        entered: Callable[[], None] | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
         self._enter = enter
+        self._entered = entered
         self._handles = self._watch(model, None)
         for module, stacks in entries:
             if module is not model:
@@ -49,6 +53,8 @@ class ForwardHooks:
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.active is None:
                 self.active = entered
+                if self._entered is not None and entered.training and torch.is_grad_enabled():
+                    self._entered()
                 self._enter(entered, stacks, args, kwargs)
 
         @torch.compiler.disable
