@@ -82,7 +82,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         rescue: bool | None = None,
-        host_memory: str | None = None,
+        host_memory: str | float | None = None,
     ) -> None:
         given = dict(
             mode=mode,

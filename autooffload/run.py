@@ -35,7 +35,7 @@ from .observe.memory import MemoryMonitor
 from .observe.probe import MemoryProbe
 from .observe.sizes import LayerSizes
 from .record import RunRecord
-from .settings import PAGE, Settings, resolve
+from .settings import PAGE, Settings, SettingsError, resolve
 from .warn import WarnOnce
 
 
@@ -62,7 +62,7 @@ class Run:
         sync_ranks: bool | None = None,
         recompute: str | None = None,
         rescue: bool | None = None,
-        host_memory: str | None = None,
+        host_memory: str | float | None = None,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         host: HostMemory | None = None,
@@ -83,6 +83,11 @@ class Run:
             host_memory=host_memory,
             policy=policy if isinstance(policy, str) else None,
         )
+        if not (policy is None or isinstance(policy, str) or callable(getattr(policy, "decide", None))):
+            raise SettingsError(
+                f"argument policy={policy!r} is not allowed: expected one of predictive, hysteresis, or an object "
+                "with decide(observation) -> int"
+            )
         self._settings = settings
         self.warn = WarnOnce()
         self.failed = False  # autooffload.guard gave up: plain checkpointing until the run ends

@@ -240,8 +240,9 @@ def test_axolotl_plugin_trains_with_the_settings_and_the_rescue(tmp_path, value,
 @pytest.mark.parametrize(
     ("value", "error"),
     [
-        ("sometimes", "autooffload: AUTOOFFLOAD_MODE='sometimes' is not allowed"),
-        ({"seq_hi": 4096}, r"unknown setting\(s\) \['seq_hi'\]"),
+        ("sometimes", "^axolotl config autooffload.mode='sometimes' is not allowed"),
+        ({"seq_hi": 4096}, r"unknown setting\(s\) \['seq_hi'\] in axolotl config autooffload"),
+        ({"host_memory": 1.5}, "^axolotl config autooffload.host_memory='1.5' is not allowed: expected 'auto', a"),
         (3, "3 is not a mode, true or a mapping of settings"),
     ],
 )
