@@ -266,6 +266,7 @@ class OffloadController(Run):
             return False
         self.record.rescue(len(self.switch.layers))
         self.memory.rescue(tried_bytes)
+        self.planner.rerun()
         return True
 
     # ---- the optimizer step --------------------------------------------------------------------------

@@ -162,6 +162,11 @@ class KeepPlanner:
             self._groups.append(self._group)
             self._group = []
 
+    def rerun(self) -> None:
+        """The step ran out of memory and is rerun from its start: its forwards so far are freed (the one that
+        failed never reaches its backward), and the rerun runs them again."""
+        self._group, self._groups = [], []
+
     # ---- the reading ----------------------------------------------------------------------------------
 
     def end_step(self, reading: float | None, clean: bool = True) -> None:

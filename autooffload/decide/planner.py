@@ -275,6 +275,10 @@ class Planner:
         """A backward ran: the forwards before it are freed."""
         self.keep.backward()
 
+    def rerun(self) -> None:
+        """A rescue reruns the step from its start: what its forwards so far were planned to hold is gone."""
+        self.keep.rerun()
+
     def end_step(self, peak_bytes: float | None, clean: bool) -> None:
         """The step's peak as the probe read it (None: none), and whether it is a sample of training alone: the
         keep planner compares it with its plan."""
