@@ -192,8 +192,8 @@ class OffloadController(Run):
         self._close_micro_batch()  # the one that ran last: its layers' calls are counted
         self._rebuild_if_replaced()
         self.planner.settle()
-        calls = self.switch.begin_micro_batch()
         batch = MicroBatch.of(seq_len, tokens, lengths, list(self.layout.stacks) if self.layout else [])
+        calls = self.switch.begin_micro_batch(batch)
         sized = self.sizes.size(batch, calls)  # observe
         before = (self.switch.offloaded, self.switch.kept)
         plan = self.planner.plan(
@@ -239,9 +239,10 @@ class OffloadController(Run):
             self.sizes.first_call(position, nbytes, moved_any=self.stats.total_bytes > 0)
 
     @guarded("a kept layer's report")
-    def _on_measured(self, position: int, nbytes: int, cast_bytes: int) -> None:
-        """A layer that does not offload kept (or would keep) ``nbytes`` in this micro-batch: the keep planner's."""
-        self.planner.measured(position, self.sizes.batch or MicroBatch(0, 0, {}), nbytes, cast_bytes)
+    def _on_measured(self, position: int, nbytes: int, cast_bytes: int, batch: MicroBatch | None = None) -> None:
+        """A layer that does not offload kept (or would keep) ``nbytes`` in ``batch`` (the micro-batch of the call
+        that counted, which a reentrant recompute runs after later forwards): the keep planner's."""
+        self.planner.measured(position, batch or self.sizes.batch or MicroBatch(0, 0, {}), nbytes, cast_bytes)
 
     def planned_bytes(self) -> float | None:
         """What the running micro-batch's offloaded layers move by autooffload's arithmetic: each one's calls so

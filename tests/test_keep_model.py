@@ -238,3 +238,25 @@ def test_planner_state_round_trip():
     again.load_state_dict(plan.state_dict())
     assert again.samples == plan.samples and again.corrections == plan.corrections
     assert (again.alive, again.misses, again.longest_read_tokens) == (2, 1, 1000)
+
+
+def test_reentrant_checkpointing_files_each_measurement_under_its_own_forward():
+    """Reentrant checkpointing counts what a layer would keep in its recompute, inside the backward. With two
+    forwards (32 and 128 tokens) before one backward, both recomputes run after the second forward was planned.
+    Before: both measurements were filed under the later forward's length (the 32-token one at 128 tokens). Each
+    must be filed under the forward that ran it: what non-reentrant checkpointing measures in the forward."""
+
+    def samples(reentrant: bool) -> dict:
+        net = qwen3(dropout=0.0)
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        net.train()
+        controller = OffloadController(Settings(recompute="auto"), probe=None)
+        controller.attach(net)
+        losses = [net(input_ids=ids(seq), labels=ids(seq)).loss for seq in (32, 128)]
+        sum(losses).backward()
+        controller.end_step()
+        return controller.planner.keep.samples
+
+    plain = samples(False)
+    assert {(tokens, seq) for _, tokens, seq in plain} == {(32, 32), (128, 128)}
+    assert samples(True) == plain

@@ -35,6 +35,9 @@ class ForwardState:
         self.counts = [0] * layers
         self.calls_per_forward = [1] * layers  # per layer, its latest count of calls that was not 0
         self.on_first_call: Callable[[int, int], None] | None = None
+        # The running micro-batch, as the controller names it: a count made later (a reentrant recompute, in the
+        # backward) is filed under the micro-batch of the call that made it, not the one running then.
+        self.batch: Any = None
 
     def new_forward(self) -> None:
         self.moved.clear()
