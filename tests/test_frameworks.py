@@ -162,6 +162,48 @@ def test_llamafactory_freeze_tuning_keeps_the_wrappers_frozen_layer_skip_and_req
     assert not torch.equal(trained.mlp.up_proj.weight, untouched.model.layers[layers - 1].mlp.up_proj.weight)
 
 
+def frozen_layers_skip(inner):
+    """LLaMA-Factory's freeze-tuning skip, for every transformers release: a layer without a trainable parameter
+    runs directly, without calling the checkpoint (the layer is the call's ``__self__``, or, from transformers
+    5.23, the first argument of the ``partial(forward, layer)`` it hands over)."""
+
+    @functools.wraps(inner)
+    def trainable_layers_only(layer_call, *args, **kwargs):
+        layer = getattr(layer_call, "__self__", None)
+        if isinstance(layer_call, functools.partial):
+            layer = getattr(layer_call.func, "__self__", None) or layer_call.args[0]
+        if not any(parameter.requires_grad for parameter in layer.parameters()):
+            return layer_call(*args, **kwargs)
+        hidden = next((arg for arg in args if torch.is_tensor(arg) and torch.is_floating_point(arg)), None)
+        if hidden is not None:
+            hidden.requires_grad_(True)
+        return inner(layer_call, *args, **kwargs)
+
+    return trainable_layers_only
+
+
+def skipping_checkpointing(net: torch.nn.Module, inner) -> None:
+    net._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=frozen_layers_skip(inner))
+    net.config.use_cache = False
+
+
+def test_layers_a_wrapper_runs_without_checkpoint_are_offloaded_last(tmp_path):
+    """Freeze tuning behind a framework's wrapper: the three frozen layers never call the checkpoint, so offloading
+    them moves nothing. Before: autooffload offloaded the earliest layers first, the frozen ones (a decision to
+    offload 1 layer moved 0 bytes, and memory stayed over memory_high until it offloaded all but one). Now a layer
+    that has never called the checkpoint counts as holding nothing, and one layer offloaded is the trainable one,
+    from the first micro-batch after one that showed it."""
+    lengths = [64, 96, 80]
+    reference, reference_net, _ = run(tmp_path / "plain", lengths, frozen=1, wiring=skipping_checkpointing)
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(1))
+    moved = Moved(callback)
+    trainer, net, warned = run(tmp_path / "auto", lengths, [callback, moved], frozen=1, wiring=skipping_checkpointing)
+    assert warned == []
+    assert moved.rows == [0, expected_bytes(96, layers=1), expected_bytes(80, layers=1)]
+    assert losses(trainer) == losses(reference)
+    assert_same_parameters(net, reference_net)
+
+
 def test_a_wrapper_of_torchs_checkpoint_is_steered_on_every_release(tmp_path):
     lengths = [64, 96]
     reference, reference_net, _ = run(tmp_path / "plain", lengths, wiring=generic_checkpointing)
