@@ -123,9 +123,8 @@ class OffloadController(Run):
         (the hooks removed, transformers-equivalent checkpoint functions installed), on every rank
         (:mod:`autooffload.fallback`: what this rank owes the others)."""
         self.failed = True
-        model, layout = self._model, self.layout
-        entries = [module for module, _ in layout.entries if module is not model] if layout is not None else []
-        self.fallback.give_up(where, error, [model, *entries] if model is not None else [])
+        model = self._model
+        self.fallback.give_up(where, error, model, [entry for entry, _ in self.layout.entries] if self.layout else [])
         try:
             self.detach()
         except Exception:  # the switch itself is broken: forget it, the functions are replaced below
@@ -161,12 +160,13 @@ class OffloadController(Run):
             self.switch.new_forward()
         if not module.training:
             return
-        if not torch.is_grad_enabled():  # a no-grad forward in train mode (TRL's KL forward): decide nothing
-            if self.switch is not None and not self.switch.checkpointing_off():
-                self._rebuild_if_replaced()
+        grad = torch.is_grad_enabled()  # without: a no-grad forward in train mode (TRL's KL forward), decide nothing
+        if self.switch is not None and (grad or not self.switch.checkpointing_off()):
+            self._rebuild_if_replaced()  # first: the call is read with the stacks of the layout it runs with
+        if not grad or self.hooks is None:
             return
         planned = list(self.layout.stacks) if self.layout is not None else []
-        stacks = planned if stacks is None else list(stacks)
+        stacks = planned if stacks is None else list(self.hooks.stacks.get(module, ()))
         batch = read_micro_batch(module, stacks, args, kwargs)
         if batch is None:
             if self.switch is not None and self.switch.layers:
@@ -228,6 +228,8 @@ class OffloadController(Run):
         level = self.switch.offloaded
         self.switch = self.switch.rebuilt(list(layout.targets))
         self._adopt(layout, self.planner.compiled)
+        if self.hooks is not None:
+            self.hooks.follow(layout.entries)
         self.record.reinstalled()
         self._install(level)
 

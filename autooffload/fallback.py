@@ -75,9 +75,11 @@ class Fallback:
         self.warn = warn
         self.notice: RankNotice | None = None
 
-    def give_up(self, where: str, error: BaseException, modules: Sequence[torch.nn.Module]) -> None:
+    def give_up(
+        self, where: str, error: BaseException, model: torch.nn.Module | None, entries: Sequence[torch.nn.Module]
+    ) -> None:
         """``where`` raised ``error`` (a :class:`~autooffload.distributed.RankGaveUp`: another rank gave up).
-        ``modules``: where a training micro-batch enters the model (the model first), for a notice."""
+        ``model`` and its ``entries``: where a training micro-batch enters (None: not attached), for a notice."""
         if isinstance(error, RankGaveUp):
             since = "the start" if where in BEFORE_JOIN else "this micro-batch on, this one included"
             self.warn(
@@ -91,6 +93,7 @@ class Fallback:
             f"internal error in {where} ({type(error).__name__}: {error}); autooffload stops and the run goes on "
             "with plain checkpointing (please report this with the model's config)",
         )
+        modules = [model, *(entry for entry in entries if entry is not model)] if model is not None else []
         with contextlib.suppress(Exception):  # the collective itself failed: the process group is what is broken
             self._tell(where, modules)
 

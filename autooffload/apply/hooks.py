@@ -27,7 +27,8 @@ class ForwardHooks:
     with the stacks it runs) that is not inside another watched call; ``stacks`` is None for the model itself
     (the controller's planned stacks, whatever they are when it is called). ``on_backward``: called once per
     backward that reaches the model's last trainable parameter; ``entered``: called before ``enter`` for a call in
-    train mode under grad (a training micro-batch), and must not raise."""
+    train mode under grad (a training micro-batch), and must not raise. :meth:`follow` watches the entries of a
+    layout read again (a trainer that reinstalled checkpointing may plan other stacks)."""
 
     def __init__(
         self,
@@ -38,24 +39,32 @@ class ForwardHooks:
         entered: Callable[[], None] | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
+        self.model = model
         self._enter = enter
         self._entered = entered
-        self._handles = self._watch(model, None)
-        for module, stacks in entries:
-            if module is not model:
-                self._handles += self._watch(module, stacks)
+        self.stacks: dict[torch.nn.Module, Sequence[Stack]] = {}  # each entry's stacks (the model: None)
+        self._handles = self._watch(model)
+        self._entry_handles: list[Any] = []
+        self.follow(entries)
         backward = count_backwards(model, on_backward) if on_backward is not None else None
         if backward is not None:
             self._handles.append(backward)
 
-    def _watch(self, module: torch.nn.Module, stacks: Sequence[Stack] | None) -> list[Any]:
+    def follow(self, entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]]) -> None:
+        """Watch ``entries`` (and no other entry) from the next call on."""
+        for handle in self._entry_handles:
+            handle.remove()
+        self.stacks = {module: stacks for module, stacks in entries if module is not self.model}
+        self._entry_handles = [handle for module in self.stacks for handle in self._watch(module)]
+
+    def _watch(self, module: torch.nn.Module) -> list[Any]:
         @torch.compiler.disable
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.active is None:
                 self.active = entered
                 if self._entered is not None and entered.training and torch.is_grad_enabled():
                     self._entered()
-                self._enter(entered, stacks, args, kwargs)
+                self._enter(entered, self.stacks.get(entered), args, kwargs)
 
         @torch.compiler.disable
         def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -68,7 +77,7 @@ class ForwardHooks:
         ]
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + self._entry_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._entry_handles, self.stacks = [], [], {}
         self.active = None
