@@ -310,3 +310,31 @@ def test_a_device_error_at_the_memory_reading_surfaces_at_once(tmp_path):
         trainer.train()
     assert trainer.state.global_step == 2  # the reading at step 2's end raised: no third step ran
     assert probe.reads == 2
+
+
+def test_a_dropped_probe_lets_go_of_the_model():
+    """A probe that watches the model (a simulated device's forward hooks) and then fails is dropped, and what it
+    put on the model goes with it. Before: its hooks stayed on the model for good (the fault matrix found it)."""
+    import warnings
+
+    import torch
+
+    from autooffload import SimulatedDevice
+
+    class FailingDevice(SimulatedDevice):
+        def read(self):
+            raise RuntimeError("NVML: GPU is lost")
+
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.train()
+    controller = OffloadController(Settings(), probe=FailingDevice("64MiB"))
+    controller.attach(net)
+    hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in net.modules())
+    ids = torch.randint(0, 256, (1, 32))
+    net(input_ids=ids, labels=ids).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        controller.end_step()
+    assert controller.memory.probe is None
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in net.modules()) == hooked - 2

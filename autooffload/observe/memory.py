@@ -9,6 +9,7 @@ needed. A probe that fails is dropped with one warning: training goes on without
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -72,13 +73,21 @@ class MemoryMonitor:
             watch(model, lambda: self.optimizer)
         except Exception as error:
             self.warn("probe-watch", f"memory probe watch_model failed ({error!r}); no memory reading from it")
-            self.probe = None
+            self._drop()
 
     def detach(self) -> None:
         unwatch = getattr(self.probe, "unwatch_model", None)
         if callable(unwatch):
             unwatch()
         self.optimizer = None
+
+    def _drop(self) -> None:
+        """Stop using the probe: what it watches on the model (a simulated device's hooks) goes with it."""
+        probe, self.probe = self.probe, None
+        unwatch = getattr(probe, "unwatch_model", None)
+        if callable(unwatch):
+            with contextlib.suppress(Exception):  # a probe already failing; its hooks are all it could leave
+                unwatch()
 
     def _make_probe(self, devices: list[torch.device], settings: Any) -> MemoryProbe | None:
         if self.choice != "auto":
@@ -147,7 +156,7 @@ class MemoryMonitor:
         except Exception as error:  # NVML can fail mid-run (driver reset, XID), a probe can read garbage
             if training_error(error):
                 raise  # the device itself failed (a kernel's error surfacing here): the step's error, not the probe's
-            self.probe = None
+            self._drop()
             self.warn(
                 "probe-failed",
                 f"memory reading failed ({error!r}); the sequence-length trigger alone decides from now on",
