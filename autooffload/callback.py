@@ -121,12 +121,12 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     # ---- training ------------------------------------------------------------------------------------
 
+    @guarded("on_train_begin", always=True)
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.controller.end_run()  # a new train(): whatever gave up in an earlier one tries again
-        self._train_begin(args, state, model, **kwargs)
-
-    @guarded("on_train_begin")
-    def _train_begin(self, args, state, model=None, **kwargs):
+        if self.controller.failed:  # gave up in this train() already (saving its state as the run began)
+            if model is not None:
+                self.controller.attach(model)  # attaches nothing; under torch.distributed, joins the other ranks
+            return
         self._resolve_settings(args)
         saved = self._saved_state(state) if lifecycle.resumed(state) else None
         if saved is not None:

@@ -54,6 +54,8 @@ sys.path.insert(0, str(ROOT))  # this checkout, not an installed autooffload
 
 import torch  # noqa: E402
 
+from autooffload.fallback import AT_END  # noqa: E402
+
 LAYERS, HIDDEN, VOCAB = 4, 64, 256
 STEPS, ACCUMULATION, SAVE_EVERY = 6, 2, 3
 LENGTHS = (32, 256, 48, 224, 32, 192, 40, 256, 32, 96, 224, 32)  # per micro-batch, one optimizer step = 2
@@ -92,12 +94,21 @@ class Fault:
     timing: str = "before"
     at: int = 1
     run: str = "fresh"
+    ranks: str = "last"  # which ranks fail: "last" (rank 1 of 2, or the only one), "first" (rank 0) or "all"
 
     @property
     def label(self) -> str:
+        parts = (["after its body"] if self.timing == "after" else []) + {
+            "last": [], "first": ["rank 0"], "all": ["every rank"]
+        }[self.ranks]  # fmt: skip
+        detail = f" ({', '.join(parts)})" if parts else ""
         if self.kind == "entry":
-            return f"entry: {self.name} ({self.timing})"
-        return self.kind if self.kind in ("none", "kill") else f"{self.kind}: {self.name}"
+            return f"entry: {self.name}{detail}"
+        return self.kind if self.kind in ("none", "kill") else f"{self.kind}: {self.name}{detail}"
+
+    def failing(self, rank: int, world: int) -> bool:
+        """Whether ``rank`` of ``world`` is one this fault strikes."""
+        return self.ranks == "all" or rank == (0 if self.ranks == "first" else world - 1)
 
 
 class InjectedFault(RuntimeError):
@@ -401,7 +412,7 @@ def train(config: Config, fault: Fault, out: Path, autooffload: bool = True, kil
     oom = OutOfMemoryOnce() if fault.run == "rescued" else None
     if oom is not None:
         model.model.norm.register_forward_pre_hook(oom)
-    mine = fault.kind in ("entry", "probe", "host") and rank() == world() - 1
+    mine = fault.kind in ("entry", "probe", "host") and fault.failing(rank(), world())
     device: Any = SimulatedDevice(DEVICE_BYTES)
     if fault.kind == "probe" and mine:
         device = FaultyProbe(device, fault.name)
@@ -581,8 +592,8 @@ def run_single(job: Job, scratch: Path) -> tuple[int, dict | None]:
 
 
 def configs(topology: str, quick: bool) -> list[Config]:
-    if quick:
-        return [Config(topology)]
+    if quick:  # recompute="auto": the one configuration that reaches every entry point (a kept layer's report)
+        return [Config(topology, recompute="auto")]
     return [Config(topology, e, p, r) for e in ENGINES for p in POLICIES for r in RECOMPUTES]
 
 
@@ -601,25 +612,39 @@ def references(topology: str, config: Config, out: Path) -> list[Job]:
     return jobs
 
 
-def cells(config: Config, counts: dict[str, dict[str, int]], out: Path, timings: tuple[str, ...],
-          only: tuple[str, ...] | None) -> tuple[list[Job], list[str]]:  # fmt: skip
-    """Every entry point x ``timings`` at the run kind that reaches it, every probe and host fault; and the entry
+def cells(
+    config: Config,
+    counts: dict[str, list[dict[str, int]]],
+    out: Path,
+    timings: tuple[str, ...],
+    only: tuple[str, ...] | None,
+    subsets: tuple[str, ...] = ("last",),
+) -> tuple[list[Job], list[str]]:
+    """Every entry point x ``timings`` x failing ``subsets`` at the run kind that reaches it on the failing ranks
+    (``counts``: per run kind, each rank's calls of each entry point), every probe and host fault; and the entry
     points no run kind reaches in this configuration."""
     base = out / "runs" / config.name.replace("/", "-")
     checkpoint = str(base / "reference" / f"checkpoint-{SAVE_EVERY}")
     jobs, unreached = [], []
+    size = len(next(iter(counts.values())))
     for where in sorted(entry_points()):
         if only is not None and where not in only:
             continue
-        run = next((kind for kind in ("fresh", "resumed", "rescued") if counts.get(kind, {}).get(where)), None)
-        if run is None:
+        reached = False
+        for subset in subsets if size > 1 else ("last",):
+            failing = [r for r in range(size) if Fault(ranks=subset).failing(r, size)]
+            calls_of = {kind: min(per_rank[r].get(where, 0) for r in failing) for kind, per_rank in counts.items()}
+            run = next((kind for kind in ("fresh", "resumed", "rescued") if calls_of.get(kind)), None)
+            if run is None:
+                continue
+            reached = True
+            for timing in timings:
+                fault = Fault("entry", where, timing, max(1, (calls_of[run] + 1) // 2), run, subset)
+                name = f"{where}-{timing}-{subset}".replace(" ", "_").replace("'", "")
+                resume = checkpoint if run == "resumed" else None
+                jobs.append(Job(config, fault, "cell", str(base / name), resume=resume))
+        if not reached:
             unreached.append(where)
-            continue
-        calls = counts[run][where]
-        for timing in timings:
-            fault = Fault("entry", where, timing, max(1, (calls + 1) // 2), run)
-            name = f"{where}-{timing}".replace(" ", "_").replace("'", "")
-            jobs.append(Job(config, fault, "cell", str(base / name), resume=checkpoint if run == "resumed" else None))
     for kind, names in (("probe", PROBE_FAULTS), ("host", HOST_FAULTS)):
         for name in names:
             if only is None or name in only:
@@ -635,7 +660,7 @@ def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plai
                                "at": fault.at, "survived": survived}  # fmt: skip
     if not survived:
         return verdict
-    failing = len(ranks) - 1
+    failing = [r for r in range(len(ranks)) if fault.failing(r, len(ranks))]
     verdict["identical"] = all(
         r["losses"] == ref["losses"] and r["parameters"] == ref["parameters"]
         for r, ref in zip(ranks, reference, strict=True)
@@ -650,15 +675,20 @@ def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plai
                  "host-runs-out": "host memory is short"}.get(fault.name, "?"),
     }[fault.kind]  # fmt: skip
     baseline = [set(ref["warnings"]) for ref in reference]
-    warned = sum(expected in w for w in ranks[failing]["warnings"]) == 1
-    others = [[w for w in r["warnings"] if w not in baseline[i]] for i, r in enumerate(ranks[:failing])]
+    new = [[w for w in r["warnings"] if w not in baseline[i]] for i, r in enumerate(ranks)]
+    others = [new[i] for i in range(len(ranks)) if i not in failing]
+    warned = all(sum(expected in w for w in ranks[i]["warnings"]) == 1 for i in failing)
     if fault.kind == "probe" and fault.name == "none":  # no reading for a step is no failure: nothing to say
-        warned = all(set(r["warnings"]) <= baseline[i] for i, r in enumerate(ranks))
+        warned = all(n == [] for n in new)
+    elif fault.kind == "entry" and ((fault.name in AT_END and fault.timing == "after") or fault.ranks == "all"):
+        warned = warned and all(o == [] for o in others)  # nothing left to tell, or nobody left to tell it to
     elif fault.kind == "entry":
-        warned = warned and all(len(o) == 1 and f"rank {failing} gave up" in o[0] for o in others)
-        verdict["raised"] = ranks[failing]["raised"] == 1
+        told = f"rank {max(failing)} gave up"
+        warned = warned and all(len(o) == 1 and told in o[0] for o in others)
     else:
         warned = warned and all(o == [] for o in others)
+    if fault.kind == "entry":
+        verdict["raised"] = all(ranks[i]["raised"] == 1 for i in failing)
     verdict["warned"] = warned
     verdict["detached"] = all(not r["leftovers"] for r in ranks)
     verdict["same_collectives"] = all(r["collectives"] == ranks[0]["collectives"] for r in ranks) and all(
@@ -700,32 +730,42 @@ def kill_cells(topology: str, config: Config, out: Path, reference: list[dict | 
             r["losses"] == ref["losses"][tail:] and r["parameters"] == ref["parameters"]
             for r, ref in zip(ranks, reference, strict=True)
         )
-        verdict.update(identical=exact, resumed_exactly=exact, detached=all(not r["leftovers"] for r in ranks),
-                       warned=True, same_collectives=all(r["collectives"] == ranks[0]["collectives"] for r in ranks))  # fmt: skip
+        same = all(r["collectives"] == ranks[0]["collectives"] for r in ranks)
+        detached = all(not r["leftovers"] for r in ranks)
+        verdict.update(identical=exact, resumed_exactly=exact, detached=detached, warned=True, same_collectives=same)
     return verdict
 
 
-def run_topology(topology: str, out: Path, quick: bool, only: tuple[str, ...] | None, log: Callable[[str], None],
-                 kill: bool = True) -> list[dict]:  # fmt: skip
+def run_topology(
+    topology: str,
+    out: Path,
+    quick: bool,
+    only: tuple[str, ...] | None,
+    log: Callable[[str], None],
+    kill: bool = True,
+    timings: tuple[str, ...] = ("before", "after"),
+    subsets: tuple[str, ...] = ("last", "first", "all"),
+) -> list[dict]:
+    """Every configuration of ``topology``: its fault-free runs, then its cells (the first configuration with every
+    one of ``timings`` and failing ``subsets``, the others raising before the body on the last rank)."""
     scratch = out / "scratch"
     runner = run_alone if topology == "one" else run_ranked
     verdicts: list[dict] = []
     for index, config in enumerate(configs(topology, quick)):
         refs = references(topology, config, out)
         done = runner(refs, scratch)
-        failing = 0 if topology == "one" else 1
         missing = [job.key for job in refs if any(r is None for r in done.get(job.key, [None]))]
         if missing:
             log(f"{config.name}: fault-free runs failed: {missing}")
             verdicts.append({"config": config.name, "fault": "fault-free runs", "survived": False})
             continue
         results = {job.fault.run if job.role == "reference" else "plain": done[job.key] for job in refs}
-        counts = {
-            run: results[run][failing]["entry_calls"] for run in ("fresh", "resumed", "rescued") if run in results
-        }
+        runs = ("fresh", "resumed", "rescued")
+        counts = {run: [r["entry_calls"] for r in results[run]] for run in runs if run in results}
         moved = [r["bytes_moved"] for r in results["fresh"]]
-        timings = ("before", "after") if index == 0 else ("before",)
-        jobs, unreached = cells(config, counts, out, timings, only)
+        first = index == 0
+        jobs, unreached = cells(config, counts, out, timings if first else ("before",), only,
+                                subsets if first else ("last",))  # fmt: skip
         log(f"{config.name}: fault-free moved {moved} bytes; {len(jobs)} cells; not reached: {unreached}")
         outcome = runner(jobs, scratch)
         for job in jobs:
@@ -757,16 +797,14 @@ def table(verdicts: list[dict]) -> str:
     for v in verdicts:
         if v.get("unreached"):
             continue
-        fault = v["fault"].replace(" (before)", "").replace(" (after)", " (after its body)")
+        fault = v["fault"]
         row = rows.setdefault((fault, v.get("topology", "?")), dict.fromkeys(("cells", *CHECKS, "resumed"), 0))
         row["cells"] += 1
         for check in CHECKS:
             row[check] += int(bool(v.get(check, check in ("raised", "plain_identical") or v.get("survived"))))
         row["resumed"] += int(bool(v.get("resumed_exactly")))
-    lines = [
-        "| fault | topology | injected | survived | identical | warned | detached | same collectives | resumed exactly |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ("fault", "topology", "injected", "survived", "identical", "warned", "detached", "same collectives")
+    lines = ["| " + " | ".join((*columns, "resumed exactly")) + " |", "|---" * (len(columns) + 1) + "|"]
     totals = dict.fromkeys(("cells", "survived", "identical", "warned", "detached", "same_collectives", "resumed"), 0)
     for (fault, topology), row in sorted(rows.items(), key=lambda item: (item[0][0].split(":")[0], item[0])):
         resumed = str(row["resumed"]) if fault == "kill" else "-"
