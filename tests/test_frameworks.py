@@ -151,9 +151,12 @@ def test_llamafactory_freeze_tuning_keeps_the_wrappers_frozen_layer_skip_and_req
     callback = AutoOffloadCallback(probe=None, policy=Fixed(layers - 1))
     trainer, net, warned = run(tmp_path / "auto", lengths, [callback], frozen=2, build=build)
     assert warned == []
-    # The frozen layers run without checkpoint (the wrapper's skip), the first trainable one offloads, the last
-    # one recomputes: one layer's inputs move.
-    assert callback.controller.stats.total_bytes == expected_bytes(sum(lengths), layers=1, hidden=hidden)
+    # The frozen layers run without checkpoint (the wrapper's skip). In the first micro-batch the earliest layers
+    # offload, the first trainable one among them: one layer's inputs move. From the second on, the layers that never
+    # called the checkpoint hold nothing and offload last: both trainable layers' inputs move.
+    first, second = lengths
+    moved = expected_bytes(first, layers=1, hidden=hidden) + expected_bytes(second, layers=2, hidden=hidden)
+    assert callback.controller.stats.total_bytes == moved
     assert losses(trainer) == losses(reference)
     assert_same_parameters(net, reference_net)
     untouched = build()
