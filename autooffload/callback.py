@@ -82,7 +82,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         rescue: bool | None = None,
-        host_memory: str | None = None,
+        host_memory: str | float | None = None,
     ) -> None:
         given = dict(
             mode=mode,
@@ -121,14 +121,18 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     # ---- training ------------------------------------------------------------------------------------
 
-    @guarded("on_train_begin", retry=True)
+    @guarded("on_train_begin", always=True)
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
+        if self.controller.failed:  # gave up in this train() already (saving its state as the run began)
+            if model is not None:
+                self.controller.attach(model)  # attaches nothing; under torch.distributed, joins the other ranks
+            return
         self._resolve_settings(args)
         saved = self._saved_state(state) if lifecycle.resumed(state) else None
         if saved is not None:
-            self.controller.load_state_dict(saved)
+            self.controller.load_state_dict(saved)  # a failure gives up this run; attach below still joins
         else:
             self.controller.reset()
         trainer = _running_trainer()
@@ -136,7 +140,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         if trainer is not None and compiled is None:
             compiled = is_compiled(trainer.model_wrapped) or None
         optimizer = kwargs.get("optimizer") or getattr(trainer, "optimizer", None)
-        if model is not None:
+        if model is not None:  # also after giving up: under torch.distributed the other ranks join there
             self.controller.attach(model, compiled=compiled, optimizer=optimizer)
         self._open_history(args)
         self._warn_deepspeed(trainer)
@@ -186,14 +190,14 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             return {}
         return self.controller.metrics()
 
-    @guarded("on_train_end")
+    @guarded("on_train_end", always=True)
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.controller.switch is not None:
-            summary = self.controller.finish()  # every rank: a collective under torch.distributed
-            if state.is_world_process_zero:
-                logger.info(summary)
+        attached = self.controller.switch is not None
+        summary = self.controller.finish()  # every rank, one that gave up too: a collective under torch.distributed
+        if attached and state.is_world_process_zero:
+            logger.info(summary)
         self._write_history()
         self.controller.detach()
 
@@ -201,6 +205,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         """``train()`` raised: write the history and detach, as ``on_train_end`` would (without its collective)."""
         self._write_history()
         self.controller.detach()
+        self.controller.end_run()
 
     # ---- history -------------------------------------------------------------------------------------
 
@@ -272,7 +277,14 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         return (entry or {}).get("attributes", {}).get("controller_state")
 
     def state(self) -> dict[str, Any]:
-        return {"args": dict(self.explicit), "attributes": {"controller_state": self.controller.state_dict()}}
+        """What Trainer saves in a checkpoint; without the controller's state where that could not be read (a run
+        that gave up, or a failure saving it): a resumed run then starts afresh."""
+        saved = self._controller_state()
+        return {"args": dict(self.explicit), "attributes": {} if saved is None else {"controller_state": saved}}
+
+    @guarded("save")
+    def _controller_state(self) -> dict[str, Any] | None:
+        return self.controller.state_dict()
 
     @property
     def controller_state(self) -> dict[str, Any]:

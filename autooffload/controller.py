@@ -33,9 +33,10 @@ from .apply.compile_guard import is_compiled
 from .apply.hooks import ForwardHooks
 from .apply.host_memory import ranks_per_node
 from .apply.switch import CheckpointSwitch, install_plain
+from .fallback import AT_END
 from .guard import guarded
 from .observe.inputs import NO_TOKENS, MicroBatch, read_micro_batch
-from .observe.layout import ENABLE_HINT, ModelLayout
+from .observe.layout import CHECKPOINTING_OFF, ENABLE_HINT, ModelLayout
 from .observe.stacks import Stack
 from .run import Run
 
@@ -62,14 +63,14 @@ class OffloadController(Run):
 
     # ---- attach and detach --------------------------------------------------------------------------
 
-    @guarded("attach", False, retry=True)
+    @guarded("attach", False, always=True)
     def attach(self, model: torch.nn.Module, *, compiled: bool | None = None, optimizer: Any = None) -> bool:
-        """Install the checkpoint functions and the hooks. False (with a warning) if there is nothing to control.
-
-        ``optimizer``: the run's optimizer, so that state it has not allocated yet (Adam's, before the first
-        ``step()``) is foreseen in the first steps; without it that state is unknown until a reading holds it.
-        """
-        self.failed = False
+        """Install the checkpoint functions and the hooks. False (with a warning) if there is nothing to control,
+        or if this run gave up (until it ends: :meth:`finish`; then a new attach tries again). ``optimizer``: the
+        run's optimizer, so that state it has not allocated yet (Adam's) is foreseen before a reading holds it."""
+        if self.failed:
+            self.fallback.attach_refused()  # under torch.distributed the other ranks are in the join
+            return False
         self.detach()
         lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing
@@ -91,7 +92,7 @@ class OffloadController(Run):
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)
         backwards = self.planner.backward if recompute == "auto" else None
-        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards)
+        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.entered)
         fixed = self.planner.fixed_level(self.memory.rescuing)
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
@@ -116,21 +117,19 @@ class OffloadController(Run):
         self.planner.attach(layout, compiled)
 
     def give_up(self, where: str, error: BaseException) -> None:
-        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing for the rest
-        of the run (the hooks removed, transformers-equivalent checkpoint functions installed)."""
-        self.failed = True
-        self.warn(
-            "failed",
-            f"internal error in {where} ({type(error).__name__}: {error}); autooffload stops and the run goes on "
-            "with plain checkpointing (please report this with the model's config)",
-        )
-        model = self._model
+        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing until the run ends
+        (the hooks removed, transformers-equivalent checkpoint functions installed), on every rank
+        (:mod:`autooffload.fallback`: what this rank owes the others)."""
+        self.failed, model = True, self._model
+        self.fallback.give_up(where, error, model, [entry for entry, _ in self.layout.entries] if self.layout else [])
         try:
             self.detach()
         except Exception:  # the switch itself is broken: forget it, the functions are replaced below
             self.switch, self.hooks = None, None
         if model is not None:
             install_plain(model)
+        if where in AT_END:  # the run is over: the next one tries again
+            self.end_run()
 
     def detach(self, *, restore: bool = False) -> None:
         """Remove the hooks. Plain checkpointing stays installed unless ``restore`` puts back the functions that
@@ -163,12 +162,13 @@ class OffloadController(Run):
             self.switch.new_forward()
         if not module.training:
             return True
-        if not torch.is_grad_enabled():  # a no-grad forward in train mode (TRL's KL forward): decide nothing
-            if self.switch is not None and not self.switch.checkpointing_off():
-                self._rebuild_if_replaced()
+        grad = torch.is_grad_enabled()  # without: a no-grad forward in train mode (TRL's KL forward), decide nothing
+        if self.switch is not None and (grad or not self.switch.checkpointing_off()):
+            self._rebuild_if_replaced()  # first: the call is read with the stacks of the layout it runs with
+        if not grad or self.hooks is None:
             return True
         planned = list(self.layout.stacks) if self.layout is not None else []
-        stacks = planned if stacks is None else list(stacks)
+        stacks = planned if stacks is None else list(self.hooks.stacks.get(module, ()))
         batch = read_micro_batch(module, stacks, args, kwargs)
         if batch is None and deferrable:
             return False
@@ -196,10 +196,10 @@ class OffloadController(Run):
         self._close_micro_batch()  # the one that ran last: its layers' calls are counted
         self._rebuild_if_replaced()
         self.planner.settle()
-        calls = self.switch.begin_micro_batch()
         batch = MicroBatch.of(seq_len, tokens, lengths, list(self.layout.stacks) if self.layout else [], sources)
-        sized = self.sizes.size(batch, calls)  # observe
+        sized = self.sizes.size(batch, self.switch.calls_per_forward)  # observe
         batch = sized.batch or batch
+        self.switch.begin_micro_batch(batch)
         before = (self.switch.offloaded, self.switch.kept)
         plan = self.planner.plan(
             self.step, batch, sized, self.memory.last,
@@ -225,14 +225,12 @@ class OffloadController(Run):
             return
         layout = self._read(self._model)
         if not layout.targets and not layout.unknown:
-            self.warn(
-                "checkpointing-off",
-                "checkpointing was turned off during training, so nothing is offloaded and autooffload reports "
-                "level 0 until it is turned on again",
-            )
+            self.warn("checkpointing-off", CHECKPOINTING_OFF)
         level = self.switch.offloaded
         self.switch = self.switch.rebuilt(list(layout.targets))
         self._adopt(layout, self.planner.compiled)
+        if self.hooks is not None:
+            self.hooks.follow(layout.entries)
         self.record.reinstalled()
         self._install(level)
 
@@ -244,14 +242,14 @@ class OffloadController(Run):
             self.sizes.first_call(position, nbytes, self.stats.total_bytes > 0, shape)
 
     @guarded("a kept layer's report")
-    def _on_measured(self, position: int, nbytes: int, cast_bytes: int) -> None:
-        """A layer that does not offload kept (or would keep) ``nbytes`` in this micro-batch: the keep planner's."""
-        self.planner.measured(position, self.sizes.batch or MicroBatch(0, 0, {}), nbytes, cast_bytes)
+    def _on_measured(self, position: int, nbytes: int, cast_bytes: int, batch: MicroBatch | None = None) -> None:
+        """A layer that does not offload kept (or would keep) ``nbytes`` in ``batch`` (the micro-batch of the call
+        that counted, which a reentrant recompute runs after later forwards): the keep planner's."""
+        self.planner.measured(position, batch or self.sizes.batch or MicroBatch(0, 0, {}), nbytes, cast_bytes)
 
     def planned_bytes(self) -> float | None:
-        """What the running micro-batch's offloaded layers move by autooffload's arithmetic: each one's calls so
-        far x its stack's tokens x its stack's width x the bytes per token; None before any bytes per token are
-        known. After the backward it is what the engine must have moved (the conformance sweep checks it)."""
+        """What the running micro-batch's offloaded layers move by autooffload's arithmetic (calls x tokens x width x
+        bytes per token; None before those are known): after the backward, what the engine must have moved."""
         return self.sizes.planned_bytes(self.switch.forward.counts) if self.switch is not None else None
 
     def _close_micro_batch(self) -> None:
@@ -262,15 +260,15 @@ class OffloadController(Run):
     def rescue(self, tried_bytes: int | None = None) -> bool:
         """Offload every layer until this step ends, for a rerun after an out-of-memory error.
 
-        ``tried_bytes``: the allocation that failed, where the error says ("Tried to allocate X"). The step's
-        reading is then raised to at least the reading plus it, and at least the device's size: a policy
-        learns that the step needed more than it had, and plans more offload for that length next time.
+        ``tried_bytes``: the allocation that failed ("Tried to allocate X"): the step's reading is raised to at least
+        the reading plus it and the device's size, so the policy plans more offload for that length next time.
         False when a rerun cannot help: nothing is controlled, or mode ``off`` forbids offload.
         """
         if self.switch is None or not self.switch.layers or self.settings.mode == "off":
             return False
         self.record.rescue(len(self.switch.layers))
         self.memory.rescue(tried_bytes)
+        self.planner.rerun()
         return True
 
     # ---- the optimizer step --------------------------------------------------------------------------
@@ -294,6 +292,7 @@ class OffloadController(Run):
         last, layers = self.memory.last, len(self.switch.layers) if self.switch is not None else None
         self.record.end_step(rescued, (last.fraction, last.bytes, last.total), layers, self.settings)
 
+    @guarded("load")
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.switch is not None:

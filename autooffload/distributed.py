@@ -4,8 +4,8 @@ Ranks see different micro-batches (one long, one short) and each reads its own d
 rank with the short micro-batch keeps its saved inputs on the device while its neighbour offloads: under
 FSDP or ZeRO-3 the step is as slow as the slowest rank anyway, and under torch.compile the ranks would run
 different graphs and recompile at different steps. So before every training micro-batch's forward the ranks
-agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of three integers (the level, and,
-negated so that MAX gives their minimum, the host-memory cap and the keep count).
+agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of four integers (the level; negated
+so that MAX gives their minimum, the host-memory cap and the keep count; and a rank that gave up, see below).
 
 What a policy sees: ``decide`` gets this rank's own observation (its sequence length, its memory reading).
 When the group's level differs from what it decided, the planner (:mod:`autooffload.decide.planner`) tells it
@@ -27,6 +27,12 @@ Every rank must make the same calls: autooffload makes one per training-mode for
 attached model, and none in ``mode="on"``/``"off"`` (the level is fixed by the settings, alike on every rank).
 Data-parallel training (DDP, FSDP, ZeRO) runs the same forwards on every rank; ranks that run different models
 (pipeline stages) or different numbers of micro-batches must turn it off: ``AUTOOFFLOAD_SYNC_RANKS=0``.
+
+A rank that gives up (:mod:`autooffload.guard`) cannot simply stop making these collectives: the others would
+meet their next one (DDP's gradient all-reduce: gloo aborts both) or wait in it (NCCL, with the agreement on a
+gloo side group: a hang). So each collective carries "a rank gave up", and the rank that failed keeps making
+exactly the ones it owes, with that flag, until every rank knows (:mod:`autooffload.fallback`); from then on no
+rank makes another until the run ends. Without a failure the collectives are the same as ever, none extra.
 """
 
 from __future__ import annotations
@@ -96,34 +102,85 @@ def all_reduce_max(values: list[int], group: AgreementGroup | None = None) -> li
     return tensor.tolist()
 
 
-def every_rank(ready: bool, group: AgreementGroup) -> bool:
-    """True when ``ready`` holds on every rank (a collective, made once at attach). A rank that found no layer
-    to control makes none of the collectives the others make per micro-batch and at the end; they would wait
-    for it forever, so then no rank makes them."""
-    tensor = torch.tensor([int(not ready)], dtype=torch.int64, device=group.device)
+def join_ranks(ready: bool, gave_up: bool, group: AgreementGroup) -> tuple[bool, int | None]:
+    """The join at attach (a collective, once per run): whether ``ready`` holds on every rank, and the rank that gave
+    up (``gave_up`` on it; the highest such rank), or None. A rank that found no layer to control makes none of the
+    collectives the others make per micro-batch and at the end; they would wait for it forever, so then no rank
+    makes them."""
+    rank = torch.distributed.get_rank()
+    tensor = torch.tensor([int(not ready), rank + 1 if gave_up else 0], dtype=torch.int64, device=group.device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group.group)
-    return int(tensor.item()) == 0
+    not_ready, quitter = tensor.tolist()
+    return not_ready == 0, quitter - 1 if quitter else None
+
+
+class RankGaveUp(Exception):
+    """Another rank gave up (its own warning says why): this one goes plain too, from the same micro-batch on."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} gave up")
+        self.rank = rank
+
+
+GAVE_UP = -2.0  # what a rank that gave up sends in the end's gather of peak memory fractions (no reading: -1)
 
 
 class RankAgreement:
-    """This rank's part in the agreement: the group (made at :meth:`join`), whether every rank has layers, and the
-    one collective per micro-batch. ``settings``: the run's (``sync_ranks`` and ``mode`` say whether to agree)."""
+    """This rank's part in the agreement: the group (made at :meth:`join`), whether every rank has layers, the one
+    collective per micro-batch, and what a rank that gave up still owes the others (:mod:`autooffload.fallback`).
 
-    def __init__(self, settings: Any) -> None:
+    A run's collectives, in order, the same on every rank: the join at attach; with mode ``auto``, one agreement
+    per training micro-batch; the gather at the end (:meth:`worst`). Each carries whether a rank gave up, so that
+    a rank that fails makes exactly the collectives it owes, with that flag, until every rank knows; from then on
+    no rank makes another until the run ends. ``settings``: the run's (``sync_ranks`` and ``mode`` say whether to
+    agree); ``warn``: ``warn(key, message)``, once per key."""
+
+    def __init__(self, settings: Any, warn: Callable[[str, str], Any] | None = None) -> None:
         self.settings = settings
+        self.warn = warn if warn is not None else (lambda key, message: None)
         self.group: AgreementGroup | None = None
         self.ranks_agree = True  # False when a rank found no layers at attach: then no rank makes collectives
+        self.end_run()
 
-    def join(self, ready: bool, warn: Callable[[str, str], Any]) -> None:
+    def end_run(self) -> None:
+        """A run ended (or a new one starts): the next collective is the next run's join."""
+        self.joined = False  # this run's join was made
+        self.due = False  # a training micro-batch entered the model and its agreement is not made yet
+        self.gave_up: int | None = None  # the rank that gave up, once every rank knows: no collective after
+        self.owing = False  # this rank gave up and the others do not know yet
+
+    def active(self) -> bool:
+        """Whether this run's ranks make collectives at all."""
+        return bool(self.settings.sync_ranks) and world_size() > 1
+
+    def per_micro_batch(self) -> bool:
+        """Whether every training micro-batch makes the agreement's collective now."""
+        live = self.joined and self.ranks_agree and self.gave_up is None and self.settings.mode == "auto"
+        return live and self.active()
+
+    def entered(self) -> None:
+        """A training micro-batch under grad entered the model (the forward hooks say so before anything of the
+        controller runs): its agreement is due until :meth:`agree` makes it."""
+        self.due = self.per_micro_batch()
+
+    def join(self, ready: bool, warn: Callable[[str, str], Any] | None = None, *, gave_up: bool = False) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
         (``new_group`` is a collective) and learn whether every rank has layers; if one has none, no rank makes
-        the per-micro-batch and end-of-training collectives, which that rank would never join."""
-        if not self.settings.sync_ranks or world_size() < 2:
+        the per-micro-batch and end-of-training collectives, which that rank would never join. ``gave_up``: this
+        rank gave up before it got here; every rank then gives up (:class:`RankGaveUp` on the others)."""
+        warn = warn or self.warn
+        if not self.active():
             return
+        self.end_run()
+        self.joined = True
         if self.group is None:
             self.group = AgreementGroup()
-        self.ranks_agree = every_rank(ready, self.group)
-        if not self.ranks_agree:
+        self.ranks_agree, quitter = join_ranks(ready, gave_up, self.group)
+        if quitter is not None:
+            self.gave_up, self.ranks_agree = quitter, False
+            if not gave_up:
+                raise RankGaveUp(quitter)
+        elif not self.ranks_agree:
             warn(
                 "ranks-without-layers",
                 "a rank has no checkpointed layers for autooffload to control, so the ranks do not agree on one "
@@ -132,16 +189,43 @@ class RankAgreement:
 
     def agree(self, level: int, cap: int, keep: int, layers: int) -> tuple[int, int]:
         """The plan every rank runs: the most offload any rank asked for, capped at the smallest rank's host-memory
-        ``cap``, and the least keep (``recompute="auto"``), in one collective, when there is a group to ask."""
-        settings = self.settings
-        if not settings.sync_ranks or not self.ranks_agree or settings.mode != "auto" or world_size() < 2:
+        ``cap``, and the least keep (``recompute="auto"``), in one collective, when there is a group to ask. Raises
+        :class:`RankGaveUp` when a rank gave up."""
+        if not self.per_micro_batch():
             return level, keep
-        most, least_cap, fewest_kept = all_reduce_max([level, -cap, -keep], self.group)
+        self.due = False  # made (or tried): a failure after this point owes the next one
+        most, least_cap, fewest_kept, quitter = all_reduce_max([level, -cap, -keep, 0], self.group)
+        if quitter:
+            self.gave_up = quitter - 1
+            raise RankGaveUp(quitter - 1)
         return min(most, -least_cap), -fewest_kept
 
+    def tell(self) -> None:
+        """This rank gave up inside a micro-batch whose agreement is due, or at the next one's start: make that
+        collective now with the flag (and nothing else, since this rank's parts may be broken)."""
+        self.due, self.owing = False, False
+        rank = torch.distributed.get_rank()
+        self.gave_up = all_reduce_max([0, 0, 0, rank + 1], self.group)[3] - 1
+
     def worst(self, fraction: float | None) -> RankPeak | None:
-        """The worst rank's peak memory fraction (a collective on every rank), where the ranks agree at all."""
-        return worst_rank(fraction, self.settings.sync_ranks and self.ranks_agree, self.group)
+        """The worst rank's peak memory fraction (the end's collective, on every rank), where the ranks agree at all
+        and nobody gave up; a rank that gave up and has not told the others tells them here. Ends the run."""
+        try:
+            if not self.joined or not self.ranks_agree or self.gave_up is not None or not self.active():
+                return None
+            peaks = gather_peaks(GAVE_UP if self.owing else fraction, self.group)
+        finally:
+            owing = self.owing
+            self.end_run()
+        quitters = [rank for rank, value in enumerate(peaks) if value == GAVE_UP]
+        if quitters and not owing:
+            self.warn(
+                "rank-gave-up",
+                f"rank {quitters[-1]} gave up during training (its own warning says why); this rank learned it at "
+                "the end (no agreement per micro-batch in modes on and off, or no micro-batch after the failure) "
+                "and finished with autooffload",
+            )
+        return worst_of(peaks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,16 +237,17 @@ class RankPeak:
     world_size: int
 
 
-def worst_rank(fraction: float | None, enabled: bool = True, group: AgreementGroup | None = None) -> RankPeak | None:
-    """Gather every rank's peak memory fraction (a collective) and return the worst; None when not distributed,
-    not ``enabled``, or no rank had a reading."""
-    size = world_size()
-    if not enabled or size < 2:
-        return None
+def gather_peaks(fraction: float | None, group: AgreementGroup | None = None) -> list[float]:
+    """Every rank's peak memory fraction (-1: none), by rank (a collective)."""
     device = collective_device() if group is None else group.device
     mine = torch.tensor([-1.0 if fraction is None else fraction], dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
+    gathered = [torch.empty_like(mine) for _ in range(world_size())]
     torch.distributed.all_gather(gathered, mine, group=None if group is None else group.group)
-    readings = [float(value.item()) for value in gathered]
-    rank = max(range(size), key=readings.__getitem__)
-    return None if readings[rank] < 0 else RankPeak(readings[rank], rank, size)
+    return [float(value.item()) for value in gathered]
+
+
+def worst_of(peaks: list[float]) -> RankPeak | None:
+    """The worst of the ranks' peaks; None where no rank had a reading."""
+    readings = [value if value >= 0 else -1.0 for value in peaks]
+    rank = max(range(len(readings)), key=readings.__getitem__)
+    return None if readings[rank] < 0 else RankPeak(readings[rank], rank, len(readings))

@@ -3,10 +3,19 @@
 autooffload runs inside someone's training loop, and nothing it does is worth that run: not a config it cannot
 read, not a bookkeeping bug, not a model it has never seen. Its entry points, the few places where training
 code calls into it (``attach``, the pre-forward hook, ``begin_step``/``end_step``, the Trainer callback's
-events), are decorated with :func:`guarded`. An exception escaping one of them gives one
-:class:`~autooffload.warn.AutoOffloadWarning` naming where and what, the controller falls back to plain
+events, a save and a load of its state), are decorated with :func:`guarded`. An exception escaping one of them
+gives one :class:`~autooffload.warn.AutoOffloadWarning` naming where and what, the controller falls back to plain
 checkpointing (:meth:`Guarded.give_up`: the hook removed, transformers-equivalent checkpoint functions
-installed), and every later entry returns at once: plain checkpointing for the rest of the run.
+installed; under torch.distributed every rank from the same micro-batch on, :mod:`autooffload.fallback`), and
+every later entry returns at once until the run ends: plain checkpointing for the rest of the run.
+
+Two kinds of error are the training step's, not autooffload's, and go on as they are: a device out-of-memory
+error (the rescue reruns the step) and an accelerator error (a device-side assert or an illegal address from
+any kernel, the user's included, that surfaced at a call of autooffload's: the device is unusable, and saying
+"autooffload failed" would hide the real error until a step later).
+
+Every entry point is registered in :data:`ENTRY_POINTS` under its ``where``, so that the fault matrix
+(``benchmarks/faults.py``) injects a failure into each one, a new entry point included, without a list of its own.
 
 Everything below the entry points may raise freely; inner ``try``/``except`` is for failures that have a
 better fallback than giving up (a probe that stops reading, a user's policy that raises).
@@ -14,6 +23,7 @@ better fallback than giving up (a probe that stops reading, a user's policy that
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -29,23 +39,43 @@ class Guarded(Protocol):
     def give_up(self, where: str, error: BaseException) -> None: ...
 
 
-def guarded(where: str, default: Any = None, *, retry: bool = False) -> Callable[[F], F]:
+@dataclasses.dataclass
+class EntryPoint:
+    """One guarded entry point: ``where`` it is (the warning names it) and the ``method`` it runs, undecorated.
+    The decorated entry calls ``method`` through this record, so a test can replace it to inject a failure."""
+
+    where: str
+    method: Callable[..., Any]
+    default: Any
+    always: bool
+
+
+ENTRY_POINTS: dict[str, EntryPoint] = {}
+
+
+def guarded(where: str, default: Any = None, *, always: bool = False) -> Callable[[F], F]:
     """Decorate an entry point of a controller (or of an object with a ``controller``): an ``Exception`` it
-    raises becomes ``controller.give_up(where, error)`` and the call returns ``default``; once given up,
-    later calls return ``default`` without running, except ``retry`` entries (``attach``: a new run may try
-    again)."""
+    raises becomes ``controller.give_up(where, error)`` and the call returns ``default``; once given up, later
+    calls return ``default`` without running, except ``always`` entries, which handle a controller that gave
+    up themselves (``attach`` and the end of training: a rank that gave up still owes the other ranks the
+    collectives they make there)."""
 
     def decorate(method: F) -> F:
+        known = ENTRY_POINTS.get(where)
+        if known is not None and known.method.__qualname__ != method.__qualname__:
+            raise ValueError(f"two entry points named {where!r}: a warning must say which one failed")
+        point = ENTRY_POINTS[where] = EntryPoint(where, method, default, always)
+
         @functools.wraps(method)
         def entry(owner: Any, *args: Any, **kwargs: Any) -> Any:
             controller: Guarded = getattr(owner, "controller", owner)
-            if controller.failed and not retry:
+            if controller.failed and not always:
                 return default
             try:
-                return method(owner, *args, **kwargs)
+                return point.method(owner, *args, **kwargs)
             except Exception as error:
-                if _out_of_memory(error):
-                    raise  # the rescue (autooffload.rescue) reruns the step; giving up would hide it
+                if training_error(error):
+                    raise  # the rescue (autooffload.rescue) reruns an OOM step; a broken device stops the run
                 controller.give_up(where, error)
                 return default
 
@@ -54,8 +84,15 @@ def guarded(where: str, default: Any = None, *, retry: bool = False) -> Callable
     return decorate
 
 
-def _out_of_memory(error: BaseException) -> bool:
-    """A device out-of-memory error is the training step's, not autooffload's: it propagates as it is."""
+def training_error(error: BaseException) -> bool:
+    """An error of the training step, not of autooffload, which propagates as it is: a device out-of-memory
+    error, or an accelerator error (``torch.AcceleratorError``, torch 2.8+; before it, a ``RuntimeError`` whose
+    message starts with ``CUDA error``)."""
     import torch
 
-    return isinstance(error, torch.OutOfMemoryError)
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and str(error).startswith("CUDA error")

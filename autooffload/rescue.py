@@ -130,8 +130,9 @@ class Rescue:
         if _distributed():
             _note(error, "autooffload: no rescue with more than one process (the other ranks wait in a collective)")
             raise error
-        if not controller.rescue(tried_bytes(error)):
-            raise error
+        gave_up = controller.failed
+        if not controller.rescue(tried_bytes(error)) and (gave_up or not controller.failed):
+            raise error  # nothing to gain; but a rescue that failed itself still reruns, on plain checkpointing
         origin = "".join(traceback.format_tb(error.__traceback__))
         error.__traceback__ = None
         self.model.zero_grad(set_to_none=True)

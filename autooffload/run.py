@@ -7,6 +7,7 @@ reads and writes between two calls, each concern in the part that owns it:
 - ``memory`` (:mod:`~autooffload.observe.memory`): the probe and the last step's reading;
 - ``planner`` (:mod:`~autooffload.decide.planner`): the policy, the keep planner, the compile budget;
 - ``agreement`` (:mod:`~autooffload.distributed`): this rank's part in the ranks' one level;
+- ``fallback`` (:mod:`~autooffload.fallback`): what giving up does, and what this rank then owes the others;
 - ``record`` (:mod:`~autooffload.record`): the counters, the history, the metrics and the summary;
 - ``host`` (:mod:`~autooffload.apply.host_memory`): the host buffers both engines take from.
 
@@ -27,12 +28,14 @@ from .apply.offload import OffloadStats
 from .decide.planner import Planner
 from .decide.policy import Policy
 from .distributed import RankAgreement
+from .fallback import Fallback
+from .guard import guarded
 from .history import StepRecord
 from .observe.memory import MemoryMonitor
 from .observe.probe import MemoryProbe
 from .observe.sizes import LayerSizes
 from .record import RunRecord
-from .settings import PAGE, Settings, resolve
+from .settings import PAGE, Settings, SettingsError, resolve
 from .warn import WarnOnce
 
 
@@ -59,7 +62,7 @@ class Run:
         sync_ranks: bool | None = None,
         recompute: str | None = None,
         rescue: bool | None = None,
-        host_memory: str | None = None,
+        host_memory: str | float | None = None,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         host: HostMemory | None = None,
@@ -80,13 +83,19 @@ class Run:
             host_memory=host_memory,
             policy=policy if isinstance(policy, str) else None,
         )
+        if not (policy is None or isinstance(policy, str) or callable(getattr(policy, "decide", None))):
+            raise SettingsError(
+                f"argument policy={policy!r} is not allowed: expected one of predictive, hysteresis, or an object "
+                "with decide(observation) -> int"
+            )
         self._settings = settings
         self.warn = WarnOnce()
-        self.failed = False  # autooffload.guard gave up: plain checkpointing for the rest of the run
+        self.failed = False  # autooffload.guard gave up: plain checkpointing until the run ends
         self.host = host if host is not None else HostMemory()
         self.sizes = LayerSizes()
         self.memory = MemoryMonitor(probe, self.warn)
-        self.agreement = RankAgreement(settings)
+        self.agreement = RankAgreement(settings, self.warn)
+        self.fallback = Fallback(self.agreement, self.warn)
         policy = None if isinstance(policy, str) else policy
         self.planner = Planner(settings, self.warn, policy, CompileBudget, self.agreement.agree, PAGE)
         self.record = RunRecord(self.warn)
@@ -220,9 +229,19 @@ class Run:
         budget = (planner.budget.spent, self.settings.compile_max_switches, planner.latched)
         return self.record.summary(self.settings.mode, self.memory.peak_fraction, budget if planner.compiled else None)
 
+    @guarded("finish", "", always=True)
     def finish(self) -> str:
         """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
         gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
-        others'. Returns the summary."""
-        self.record.worst_rank = self.agreement.worst(self.memory.peak_fraction)
+        others' (a rank that gave up makes it too). Ends the run: after giving up, the next run tries again.
+        Returns the summary."""
+        try:
+            self.record.worst_rank = self.agreement.worst(self.memory.peak_fraction)
+        finally:
+            self.end_run()
         return self.summary()
+
+    def end_run(self) -> None:
+        """The run ended (or a Trainer's new one begins): a give-up is over, nothing is owed to other ranks."""
+        self.fallback.end()
+        self.failed = False

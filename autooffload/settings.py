@@ -2,7 +2,9 @@
 
 Everything that can be wrong with a setting is found here, at construction, before any training starts:
 a typo in a variable name, a value that is not a number, a threshold out of range, a low threshold above
-its high one. The error names the variable, the value and what is allowed.
+its high one. The error names where the value came from (an argument, ``argument memory_high``; a variable,
+``AUTOOFFLOAD_MEMORY_HIGH``; a config key, ``axolotl config autooffload.memory_high``), the value and what is
+allowed.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class Settings:
     checkpointing does) or ``"auto"`` (in ``auto`` mode, the last checkpointed layers may run without
     checkpointing, their activations kept, when the predicted peak leaves room: :mod:`autooffload.decide.ladder`).
     ``host_memory``: the host memory offload may hold on this node, shared by its ranks (``LOCAL_WORLD_SIZE``):
-    a fraction of host RAM (``"0.5"``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``, half of the host
-    memory available at start. Every level is capped at what fits (:mod:`autooffload.apply.host_memory`).
+    a fraction of host RAM (``"0.5"``, or the number ``0.5``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``,
+    half of the host memory available at start. Every level is capped at what fits
+    (:mod:`autooffload.apply.host_memory`). A number is kept as its text (``0.5`` -> ``"0.5"``).
     """
 
     mode: str = "auto"
@@ -69,28 +72,25 @@ class Settings:
     host_memory: str = "auto"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check(f.name, getattr(self, f.name), _env_name(f.name), _TYPES[str(f.type)])
-        self._check_order("memory_low", "memory_high")
-        self._check_order("seq_low", "seq_high")
-
-    def _check_order(self, low: str, high: str) -> None:
-        if getattr(self, low) > getattr(self, high):
-            raise SettingsError(
-                f"{_env_name(low)}={getattr(self, low)} is above {_env_name(high)}={getattr(self, high)}: "
-                f"the low threshold must be at or below the high one (hysteresis)"
-            )
+        values = _as_settings(dataclasses.asdict(self))
+        object.__setattr__(self, "host_memory", values["host_memory"])
+        _validate(values, {})
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: Any) -> Settings:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, /, *, source: str = "argument", **overrides: Any
+    ) -> Settings:
         """Defaults, overridden by ``AUTOOFFLOAD_*`` variables in ``env``, overridden by ``overrides``.
 
         ``None`` in ``overrides`` means "not given". An ``AUTOOFFLOAD_`` variable that names no setting is an
-        error, so that a typo cannot silently leave a default in force.
+        error, so that a typo cannot silently leave a default in force. ``source``: where ``overrides`` come from,
+        as errors name it: ``"argument"`` (``argument seq_high=...``) or a config key (``"axolotl config
+        autooffload"``: ``axolotl config autooffload.seq_high=...``).
         """
         env = os.environ if env is None else env
         names = {_env_name(f.name): f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
+        labels = {f.name: _env_name(f.name) for f in dataclasses.fields(cls)}  # a default: how to change it
         for key, raw in env.items():
             if not key.startswith(ENV_PREFIX):
                 continue
@@ -99,13 +99,19 @@ class Settings:
                     f"unknown environment variable {key}={raw!r}; autooffload reads: {', '.join(sorted(names))}"
                 )
             values[names[key].name] = _parse(key, raw, _TYPES[str(names[key].type)])
+            labels[names[key].name] = key
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
+            where = "" if source == "argument" else f" in {source}"
             raise SettingsError(
-                f"unknown setting(s) {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}"
+                f"unknown setting(s) {sorted(unknown)}{where}; known: {[f.name for f in dataclasses.fields(cls)]}"
             )
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        values.update(given)
+        labels.update({name: _label(source, name) for name in given})
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        _validate(_as_settings({**defaults, **values}), labels)  # each error names its value's source
+        return cls(**_as_settings(values))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,6 +189,37 @@ def parse_host_memory(text: str) -> tuple[str, float]:
 
 def _env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
+
+
+def _label(source: str, name: str) -> str:
+    """How an error names setting ``name`` given by ``source`` ("argument", or a config key)."""
+    return f"argument {name}" if source == "argument" else f"{source}.{name}"
+
+
+def _as_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """``host_memory`` given as a number (YAML's ``0.5``, an argument's ``0.5``) is its text, as the variable's is."""
+    value = values.get("host_memory")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = {**values, "host_memory": str(value)}
+    return values
+
+
+def _validate(values: dict[str, Any], labels: Mapping[str, str]) -> None:
+    """Check every setting in ``values`` and the order of the thresholds; an error names a value by ``labels``
+    (its variable, argument or config key; a default by its variable, the way to change it)."""
+    given = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(Settings) if f.name in values}
+
+    def label(name: str) -> str:
+        return labels.get(name, _label("argument", name))
+
+    for name, kind in given.items():
+        _check(name, values[name], label(name), kind)
+    for low, high in (("memory_low", "memory_high"), ("seq_low", "seq_high")):
+        if low in values and high in values and values[low] > values[high]:
+            raise SettingsError(
+                f"{label(low)}={values[low]} is above {label(high)}={values[high]}: "
+                f"the low threshold must be at or below the high one (hysteresis)"
+            )
 
 
 def _parse(key: str, raw: str, kind: type) -> Any:

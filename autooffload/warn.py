@@ -46,6 +46,7 @@ ANCHORS = {
     "peaked-delta": "peaked-delta",
     "rescue-off": "rescue-off",
     "failed": "internal-error",
+    "rank-gave-up": "rank-gave-up",
     "axolotl-offloading": "axolotl-offloading",
 }
 

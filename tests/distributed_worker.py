@@ -14,6 +14,9 @@ micro-batch and the other a short one (``LENGTHS``), so only an agreement makes 
   group is gloo here too, so the backend check is told it is not, as it would be under NCCL).
 - ``uneven``: a raw loop where only rank 0's model has checkpointed layers, over a gloo side group: a rank
   that finds nothing to control must not leave the other waiting in a collective it never joins.
+- ``give_up``: Trainer DDP (gradient accumulation 2), where rank 1 alone fails inside autooffload: in the
+  pre-forward hook of its second micro-batch, then (a second run) in ``attach``; and a run without autooffload.
+  Every rank must finish every step with the plain run's losses and parameters.
 """
 
 from __future__ import annotations
@@ -428,6 +431,99 @@ def uneven(rank: int, out: Path) -> dict:
     }
 
 
+def give_up_run(rank: int, out: Path, inject: str, side: bool = False, accumulation: int = 2) -> dict:
+    """One Trainer DDP run; ``inject``: where rank 1 fails ("forward": its second micro-batch's pre-forward hook,
+    "attach": reading the model at attach), or "none" for a run without autooffload. ``side``: the agreement on a
+    gloo side group, as under NCCL."""
+    import warnings
+
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import autooffload.decide.planner as planner_module
+    import autooffload.observe.layout as layout_module
+    from autooffload import AutoOffloadWarning
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    def failing_on_call(function, at: int):
+        calls = [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == at:
+                raise RuntimeError("injected failure on rank 1")
+            return function(*args, **kwargs)
+
+        return failing
+
+    originals = (planner_module.host_cap, layout_module.checkpointed_modules)
+    if rank == 1 and inject == "forward":
+        planner_module.host_cap = failing_on_call(planner_module.host_cap, 2)
+    if rank == 1 and inject == "attach":
+        layout_module.checkpointed_modules = failing_on_call(layout_module.checkpointed_modules, 1)
+    lengths = [length for step in LENGTHS for length in step for _ in range(accumulation)]
+    plain = {k: {"use_reentrant": False} if k.endswith("_kwargs") else v for k, v in checkpointing_arguments().items()}
+    args = TrainingArguments(
+        output_dir=str(out / f"give_up_{inject}"),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=accumulation,
+        max_steps=len(LENGTHS),
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_timeout=60,
+        disable_tqdm=True,
+        seed=0,
+        **plain,
+    )
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    record = Losses()
+    callbacks: list = [record]
+    real, takes_cpu = autooffload_distributed.all_reduce_max, autooffload_distributed.takes_cpu_tensors
+    if side:
+        autooffload_distributed.takes_cpu_tensors = lambda: False
+    calls = count_collectives()
+    if inject != "none":
+        callbacks.insert(0, AutoOffloadCallback(mode="auto", probe=None, policy=RecordingPolicy()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        dataset = MixedLengths(lengths, VOCAB)
+        trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+        trainer.train()
+    planner_module.host_cap, layout_module.checkpointed_modules = originals
+    autooffload_distributed.all_reduce_max, autooffload_distributed.takes_cpu_tensors = real, takes_cpu
+    return {
+        "steps": trainer.state.global_step,
+        "losses": record.losses,
+        "parameters": parameter_digest(model),
+        "collectives": calls[0],
+        "pre_hooks": len(model._forward_pre_hooks),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+    }
+
+
+def give_up(rank: int, out: Path) -> dict:
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    result = {inject: give_up_run(rank, out, inject) for inject in ("none", "forward", "attach")}
+    result["forward_side"] = give_up_run(rank, out, "forward", side=True)
+    result["attach_side"] = give_up_run(rank, out, "attach", side=True)
+    return result
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -436,6 +532,7 @@ def main() -> None:
         "trainer_ddp": trainer_ddp,
         "fsdp2": fsdp2,
         "uneven": uneven,
+        "give_up": give_up,
         "zero2": lambda rank, out: deepspeed_zero(2, out),
         "zero3": lambda rank, out: deepspeed_zero(3, out),
     }

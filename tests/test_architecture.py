@@ -14,7 +14,7 @@ LAYERS = (
     ("decide",),
     ("observe",),
     ("apply",),
-    ("history", "distributed", "lifecycle", "record"),
+    ("history", "distributed", "fallback", "lifecycle", "record"),
     ("run",),
     ("controller",),
     ("callback", "rescue", "integrations", "demo", "plot", "estimate", "__main__", "__init__"),

@@ -57,7 +57,7 @@ def test_sync_ranks_from_the_environment(raw, value):
 def test_bad_sync_ranks_fails_at_construction(monkeypatch):
     with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_SYNC_RANKS='2' is not a boolean: expected 1 or 0"):
         Settings.from_env({"AUTOOFFLOAD_SYNC_RANKS": "2"})
-    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_SYNC_RANKS=1 is not allowed: expected a boolean"):
+    with pytest.raises(SettingsError, match=r"argument sync_ranks=1 is not allowed: expected a boolean"):
         Settings(sync_ranks=1)
     monkeypatch.setenv("AUTOOFFLOAD_SYNC_RANKS", "yes please")
     with pytest.raises(SettingsError, match="AUTOOFFLOAD_SYNC_RANKS"):
@@ -82,7 +82,7 @@ def two_ranks(monkeypatch) -> None:
     """Two ranks as this rank sees them, both with layers: the join at attach makes no collective."""
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)
-    monkeypatch.setattr(distributed, "every_rank", lambda ready, group: True)
+    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group: (True, None))
 
 
 def fake_group(monkeypatch, group_level: int) -> list[int]:
@@ -164,7 +164,8 @@ def test_the_group_runs_the_smallest_host_cap(monkeypatch):
     )
     controller = attached(Settings(seq_high=200, seq_low=100, policy="hysteresis"))
     assert controller.before_forward(256, 256) == 1
-    assert sent == [[LAYERS, -LAYERS, 0]]  # this rank: all layers, its budget (the default) holds them all, keeps none
+    # This rank: all layers, its budget (the default) holds them all, keeps none, has not given up.
+    assert sent == [[LAYERS, -LAYERS, 0, 0]]
 
 
 def test_summary_names_the_worst_rank():
@@ -295,6 +296,35 @@ def test_a_rank_without_checkpointed_layers_leaves_no_rank_waiting(tmp_path):
     assert ranks[0]["worst_rank"] is ranks[1]["worst_rank"] is None
     for result in ranks:
         assert any("a rank has no checkpointed layers" in w for w in result["warnings"]), result["warnings"]
+
+
+@needs_gloo
+def test_one_rank_giving_up_takes_every_rank_to_plain_checkpointing(tmp_path):
+    """Rank 1 alone fails inside autooffload, in its second micro-batch's pre-forward hook or in attach, under
+    Trainer DDP over gloo (the agreement on the default group, and on a gloo side group as under NCCL). Before:
+    rank 1 stopped joining the agreement, rank 0's met rank 1's gradient all-reduce and gloo aborted both (or,
+    on a side group, rank 0 waited there). Now every rank finishes every step with the losses and parameters of
+    a run without autooffload, the same collectives on both ranks, and one warning each."""
+    ranks = run_ranks("give_up", tmp_path, timeout_s=240)
+    for result in ranks:
+        plain = result["none"]
+        assert plain["steps"] == len(LENGTHS)
+        for case in ("forward", "attach", "forward_side", "attach_side"):
+            run = result[case]
+            assert run["steps"] == len(LENGTHS), case
+            assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"], case
+            assert run["pre_hooks"] == 0, case  # nothing left on the model
+    for case in ("forward", "attach", "forward_side", "attach_side"):
+        # Rank 1 failed in its second micro-batch, before that micro-batch's agreement: it made that one with
+        # the flag, and no rank made another. At attach the flag rode on the join: no agreement at all.
+        assert ranks[0][case]["collectives"] == ranks[1][case]["collectives"] == (2 if "forward" in case else 0)
+        where = "the pre-forward hook" if "forward" in case else "attach"
+        (mine,) = ranks[1][case]["warnings"]
+        assert f"internal error in {where} (RuntimeError: injected failure on rank 1)" in mine
+        (theirs,) = ranks[0][case]["warnings"]
+        since = "this micro-batch on" if "forward" in case else "the start"
+        assert "rank 1 gave up (its own warning says why)" in theirs
+        assert f"every rank goes on with plain checkpointing from {since}" in theirs
 
 
 @pytest.fixture(scope="module")

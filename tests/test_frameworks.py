@@ -151,15 +151,60 @@ def test_llamafactory_freeze_tuning_keeps_the_wrappers_frozen_layer_skip_and_req
     callback = AutoOffloadCallback(probe=None, policy=Fixed(layers - 1))
     trainer, net, warned = run(tmp_path / "auto", lengths, [callback], frozen=2, build=build)
     assert warned == []
-    # The frozen layers run without checkpoint (the wrapper's skip), the first trainable one offloads, the last
-    # one recomputes: one layer's inputs move.
-    assert callback.controller.stats.total_bytes == expected_bytes(sum(lengths), layers=1, hidden=hidden)
+    # The frozen layers run without checkpoint (the wrapper's skip). In the first micro-batch the earliest layers
+    # offload, the first trainable one among them: one layer's inputs move. From the second on, the layers that never
+    # called the checkpoint hold nothing and offload last: both trainable layers' inputs move.
+    first, second = lengths
+    moved = expected_bytes(first, layers=1, hidden=hidden) + expected_bytes(second, layers=2, hidden=hidden)
+    assert callback.controller.stats.total_bytes == moved
     assert losses(trainer) == losses(reference)
     assert_same_parameters(net, reference_net)
     untouched = build()
     frozen, trained = net.model.layers[layers - 3], net.model.layers[layers - 1]
     assert torch.equal(frozen.mlp.up_proj.weight, untouched.model.layers[layers - 3].mlp.up_proj.weight)
     assert not torch.equal(trained.mlp.up_proj.weight, untouched.model.layers[layers - 1].mlp.up_proj.weight)
+
+
+def frozen_layers_skip(inner):
+    """LLaMA-Factory's freeze-tuning skip, for every transformers release: a layer without a trainable parameter
+    runs directly, without calling the checkpoint (the layer is the call's ``__self__``, or, from transformers
+    5.23, the first argument of the ``partial(forward, layer)`` it hands over)."""
+
+    @functools.wraps(inner)
+    def trainable_layers_only(layer_call, *args, **kwargs):
+        layer = getattr(layer_call, "__self__", None)
+        if isinstance(layer_call, functools.partial):
+            layer = getattr(layer_call.func, "__self__", None) or layer_call.args[0]
+        if not any(parameter.requires_grad for parameter in layer.parameters()):
+            return layer_call(*args, **kwargs)
+        hidden = next((arg for arg in args if torch.is_tensor(arg) and torch.is_floating_point(arg)), None)
+        if hidden is not None:
+            hidden.requires_grad_(True)
+        return inner(layer_call, *args, **kwargs)
+
+    return trainable_layers_only
+
+
+def skipping_checkpointing(net: torch.nn.Module, inner) -> None:
+    net._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=frozen_layers_skip(inner))
+    net.config.use_cache = False
+
+
+def test_layers_a_wrapper_runs_without_checkpoint_are_offloaded_last(tmp_path):
+    """Freeze tuning behind a framework's wrapper: the three frozen layers never call the checkpoint, so offloading
+    them moves nothing. Before: autooffload offloaded the earliest layers first, the frozen ones (a decision to
+    offload 1 layer moved 0 bytes, and memory stayed over memory_high until it offloaded all but one). Now a layer
+    that has never called the checkpoint counts as holding nothing, and one layer offloaded is the trainable one,
+    from the first micro-batch after one that showed it."""
+    lengths = [64, 96, 80]
+    reference, reference_net, _ = run(tmp_path / "plain", lengths, frozen=1, wiring=skipping_checkpointing)
+    callback = AutoOffloadCallback(probe=None, policy=Fixed(1))
+    moved = Moved(callback)
+    trainer, net, warned = run(tmp_path / "auto", lengths, [callback, moved], frozen=1, wiring=skipping_checkpointing)
+    assert warned == []
+    assert moved.rows == [0, expected_bytes(96, layers=1), expected_bytes(80, layers=1)]
+    assert losses(trainer) == losses(reference)
+    assert_same_parameters(net, reference_net)
 
 
 def test_a_wrapper_of_torchs_checkpoint_is_steered_on_every_release(tmp_path):
@@ -240,8 +285,9 @@ def test_axolotl_plugin_trains_with_the_settings_and_the_rescue(tmp_path, value,
 @pytest.mark.parametrize(
     ("value", "error"),
     [
-        ("sometimes", "autooffload: AUTOOFFLOAD_MODE='sometimes' is not allowed"),
-        ({"seq_hi": 4096}, r"unknown setting\(s\) \['seq_hi'\]"),
+        ("sometimes", "^axolotl config autooffload.mode='sometimes' is not allowed"),
+        ({"seq_hi": 4096}, r"unknown setting\(s\) \['seq_hi'\] in axolotl config autooffload"),
+        ({"host_memory": 1.5}, "^axolotl config autooffload.host_memory='1.5' is not allowed: expected 'auto', a"),
         (3, "3 is not a mode, true or a mapping of settings"),
     ],
 )

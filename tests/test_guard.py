@@ -47,7 +47,8 @@ def test_a_failure_inside_autooffload_leaves_the_run_on_plain_checkpointing(tmp_
     # The step that failed in end_step had offloaded; nothing moves after the failure.
     moved = expected_bytes(64) if where == "end_step" else 0
     assert callback.controller.stats.total_bytes == moved
-    assert callback.controller.failed and callback.controller.switch is None
+    # Nothing is left attached; the run is over, so a next train() or attach tries again.
+    assert not callback.controller.failed and callback.controller.switch is None
 
 
 class PerLayerRead(Exception):
@@ -100,3 +101,29 @@ def test_an_out_of_memory_error_is_not_taken_for_an_internal_error(tmp_path):
     with pytest.raises(torch.OutOfMemoryError):
         Owner().entry()
     assert not Owner.controller.failed
+
+
+@pytest.mark.parametrize("where", ["on_train_end", "finish"])
+def test_a_failure_as_the_run_ends_ends_the_give_up_with_it(tmp_path, where):
+    """A failure in the end of training's own entry points ends the run it gives up: the next ``train()`` of the
+    same trainer offloads again (it ran the whole of it on plain checkpointing before)."""
+    from autooffload.guard import ENTRY_POINTS
+
+    point = ENTRY_POINTS[where]
+    original = point.method
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    point.method = boom
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer, _ = train(tmp_path, LENGTHS, callbacks=[callback])
+    finally:
+        point.method = original
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and f"internal error in {where}" in ours[0], ours
+    assert not callback.controller.failed
+    moved = callback.controller.stats.total_bytes
+    assert moved == expected_bytes(64) * len(LENGTHS)
+    trainer.train()
+    assert callback.controller.stats.total_bytes == expected_bytes(64) * len(LENGTHS)
+    assert trainer.state.global_step == len(LENGTHS)

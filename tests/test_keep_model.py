@@ -238,3 +238,55 @@ def test_planner_state_round_trip():
     again.load_state_dict(plan.state_dict())
     assert again.samples == plan.samples and again.corrections == plan.corrections
     assert (again.alive, again.misses, again.longest_read_tokens) == (2, 1, 1000)
+
+
+def test_reentrant_checkpointing_files_each_measurement_under_its_own_forward():
+    """Reentrant checkpointing counts what a layer would keep in its recompute, inside the backward. With two
+    forwards (32 and 128 tokens) before one backward, both recomputes run after the second forward was planned.
+    Before: both measurements were filed under the later forward's length (the 32-token one at 128 tokens). Each
+    must be filed under the forward that ran it: what non-reentrant checkpointing measures in the forward."""
+
+    def samples(reentrant: bool) -> dict:
+        net = qwen3(dropout=0.0)
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        net.train()
+        controller = OffloadController(Settings(recompute="auto"), probe=None)
+        controller.attach(net)
+        losses = [net(input_ids=ids(seq), labels=ids(seq)).loss for seq in (32, 128)]
+        sum(losses).backward()
+        controller.end_step()
+        return controller.planner.keep.samples
+
+    plain = samples(False)
+    assert {(tokens, seq) for _, tokens, seq in plain} == {(32, 32), (128, 128)}
+    assert samples(True) == plain
+
+
+def test_the_first_step_with_two_forwards_leaves_room_for_the_first_forwards_whole_footprint():
+    """Steps of one forward per backward, then steps with two. The first forward keeps as a lone forward may; the
+    second must leave room for everything the first still holds: its kept layers and also its checkpointed
+    inputs, logits and loss graph, which the prediction (learned from one forward at a time) does not cover.
+    Before: the second forward was planned with room for the first one's kept layers only, kept 3 layers, and
+    the step read 1.115 x memory_high (plain checkpointing: 0.67) with a 4096-token vocabulary."""
+    net = checkpointed(tiny_qwen3(LAYERS, 64, 4096, 0, attention_dropout=0.0))
+    plain = counted(net, 64, 0)
+    per_layer = (counted(net, 64, LAYERS) - plain) / LAYERS
+    total = total_for(STATIC, plain, 8 * per_layer)
+    probe = GroupProbe(STATIC, total)
+    controller = OffloadController(Settings(recompute="auto", memory_high=HIGH, memory_low=0.5), probe=probe)
+    controller.attach(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    kept = []
+    for forwards in [1, 1, 1, 1, 2, 2, 2, 2]:
+        losses = []
+        for _ in range(forwards):
+            losses.append(probe.forward(net, 64))
+            kept.append(controller.switch.kept)
+        probe.backward(sum(losses))
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_step()
+    assert max(probe.steps) <= HIGH * total, [round(s / (HIGH * total), 3) for s in probe.steps]
+    assert kept[1:4] == [LAYERS] * 3  # one forward at a time: every layer keeps
+    assert kept[4:6] == [LAYERS, 0]  # the first step with two: the second forward keeps nothing
+    assert kept[-2:] == [2, 2] and controller.planner.keep.alive == 2  # then planned for two: both keep

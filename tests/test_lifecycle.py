@@ -276,5 +276,5 @@ def test_the_controller_takes_the_callbacks_keyword_arguments(monkeypatch):
     assert type(controller.policy).__name__ == "HysteresisPolicy" and controller.policy.seq_high == 300
     monkeypatch.setenv("AUTOOFFLOAD_MIN_STEPS", "7")
     assert OffloadController(mode="off").settings.min_steps == 7  # the environment, then the arguments
-    with pytest.raises(SettingsError, match="AUTOOFFLOAD_MODE='sometimes'"):
+    with pytest.raises(SettingsError, match="argument mode='sometimes'"):
         OffloadController(mode="sometimes")

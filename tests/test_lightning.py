@@ -116,6 +116,58 @@ def test_a_failing_step_leaves_the_model_detached_and_the_history_written(tmp_pa
     loss.backward()
 
 
+LIGHTNING_ENTRIES = (
+    "Lightning on_train_start",
+    "Lightning on_train_batch_start",
+    "Lightning on_train_batch_end",
+    "Lightning on_save_checkpoint",
+    "Lightning on_train_end",
+)
+
+
+@pytest.mark.parametrize("where", LIGHTNING_ENTRIES)
+def test_a_failure_at_an_entry_point_warns_once_and_fit_trains_as_plain(tmp_path, where):
+    """Each of the callback's entry points failing at its second call (its first for those called once): one
+    warning naming it, fit goes on to the end with plain checkpointing's losses and parameters, nothing left
+    attached, and the next fit offloads again (a give-up lasts one run)."""
+    from autooffload.guard import ENTRY_POINTS
+
+    assert {w for w in ENTRY_POINTS if w.startswith("Lightning ")} == {
+        *LIGHTNING_ENTRIES,
+        "Lightning on_exception",
+        "Lightning on_validation_end",
+    }
+    point, calls = ENTRY_POINTS[where], []
+    original = point.method
+
+    def failing(owner, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == (1 if where in ("Lightning on_train_start", "Lightning on_train_end") else 2):
+            raise RuntimeError("injected")
+        return original(owner, *args, **kwargs)
+
+    callback = AutoOffload(**SETTINGS)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    point.method = failing
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, module = fit(tmp_path / "with", LENGTHS, [callback, checkpoints], enable_checkpointing=True)
+    finally:
+        point.method = original
+    _, plain = fit(tmp_path / "plain", LENGTHS, [])
+    ours = [
+        str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning) and "injected" in str(w.message)
+    ]
+    assert len(ours) == 1 and where in ours[0], ours
+    assert module.losses == plain.losses
+    assert parameters(module) == parameters(plain)
+    assert callback.controller.switch is None and lifecycle.owner(module.model) is None
+    assert not callback.controller.failed
+    fit(tmp_path / "again", LENGTHS, [callback])
+    assert callback.controller.stats.total_bytes > 0
+
+
 def test_settings_from_the_environment_and_arguments_over_them(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOOFFLOAD_MODE", "on")
     on = AutoOffload()

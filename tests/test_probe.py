@@ -234,3 +234,107 @@ def test_without_a_uuid_nvml_is_read_by_index_only_where_the_numbering_is_nvmls(
     cuda = NoUuidCuda(devices=2)
     probe = NvmlProbe("cuda:0", cuda=cuda, nvml=FakeNvml(cuda))
     assert probe.sources == {0: source}
+
+
+class Garbage:
+    """A probe that reads well, then, from its second reading on, returns ``reading`` (or raises it)."""
+
+    def __init__(self, reading) -> None:
+        self.reading, self.reads = reading, 0
+
+    def read(self):
+        from autooffload import MemoryReading
+
+        self.reads += 1
+        if self.reads == 1:
+            return MemoryReading(40 * GiB, 80 * GiB)
+        if isinstance(self.reading, BaseException):
+            raise self.reading
+        return self.reading
+
+
+def _nvml_error():
+    import pynvml
+
+    return pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+
+@pytest.mark.parametrize(
+    "reading",
+    ["nan", "above", "negative", "zero total", "nvml"],
+)
+def test_a_probe_that_reads_garbage_is_dropped_with_one_warning(tmp_path, reading):
+    """NaN, a fraction above 1, a negative use, a total of 0: no reading, so the probe is dropped (one
+    probe-failed warning) and the sequence trigger decides, as after an NVML error. Before: NaN and a fraction
+    above 1 reached the policy as a memory fraction."""
+    import warnings
+
+    from autooffload import AutoOffloadWarning, MemoryReading
+
+    readings = {
+        "nan": MemoryReading(float("nan"), 80 * GiB),
+        "above": MemoryReading(90 * GiB, 80 * GiB),
+        "negative": MemoryReading(-1, 80 * GiB),
+        "zero total": MemoryReading(0, 0),
+        "nvml": _nvml_error(),
+    }
+    probe = Garbage(readings[reading])
+    callback = AutoOffloadCallback(probe=probe, policy="hysteresis")
+    net = model()
+    trainer = InOrderTrainer(
+        model=net, args=training_args(tmp_path, 3), train_dataset=dataset([64, 64, 64]), callbacks=[callback]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        trainer.train()
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and "memory reading failed" in ours[0], ours
+    assert trainer.state.global_step == 3 and probe.reads == 2  # dropped at its first bad reading
+    assert callback.controller.memory.peak_fraction == 0.5  # the good reading stands; the bad one never counted
+    assert not callback.controller.failed
+
+
+def test_a_device_error_at_the_memory_reading_surfaces_at_once(tmp_path):
+    """A device-side error of the user's own kernel can first surface where the probe reads the device (the
+    driver's error is sticky). Before: taken for a probe failure, one probe-failed warning, the memory signal
+    dropped, and the real error a step later. Now it is the step's error and stops the run where it surfaced."""
+    import torch
+
+    error = torch.AcceleratorError("CUDA error: device-side assert triggered")
+    probe = Garbage(error)
+    callback = AutoOffloadCallback(probe=probe, policy="hysteresis")
+    trainer = InOrderTrainer(
+        model=model(), args=training_args(tmp_path, 3), train_dataset=dataset([64, 64, 64]), callbacks=[callback]
+    )
+    with pytest.raises(torch.AcceleratorError, match="device-side assert triggered"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # the reading at step 2's end raised: no third step ran
+    assert probe.reads == 2
+
+
+def test_a_dropped_probe_lets_go_of_the_model():
+    """A probe that watches the model (a simulated device's forward hooks) and then fails is dropped, and what it
+    put on the model goes with it. Before: its hooks stayed on the model for good (the fault matrix found it)."""
+    import warnings
+
+    import torch
+
+    from autooffload import SimulatedDevice
+
+    class FailingDevice(SimulatedDevice):
+        def read(self):
+            raise RuntimeError("NVML: GPU is lost")
+
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.train()
+    controller = OffloadController(Settings(), probe=FailingDevice("64MiB"))
+    controller.attach(net)
+    hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in net.modules())
+    ids = torch.randint(0, 256, (1, 32))
+    net(input_ids=ids, labels=ids).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        controller.end_step()
+    assert controller.memory.probe is None
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in net.modules()) == hooked - 2

@@ -260,3 +260,23 @@ def test_a_model_wrapped_in_an_engine_at_the_first_step_is_not_rescued(tmp_path)
         trainer.training_step(FullyShardedDataParallel(net), {})
     assert raised.value is errors[0] and len(errors) == 1 and controller.record.rescues == 0
     assert any("no rescue: under FSDP" in note for note in raised.value.__notes__)
+
+
+def test_a_rescued_step_is_not_counted_as_forwards_alive_together(tmp_path):
+    """``recompute="auto"``: the forward that ran out of memory never reaches its backward, and the rerun replays
+    the step. Before: the failed forward stayed in the keep planner's group, so the replay counted as a second
+    forward alive before one backward: keep was planned for two forwards (about half as many layers) for the next
+    16 steps."""
+    from autooffload import SimulatedDevice
+
+    net = model()
+    injector = Injector(at=FAIL_AT)
+    injector.install(net, "forward")
+    args = training_args(tmp_path, len(LENGTHS) // 2, gradient_accumulation_steps=2)
+    from conftest import InOrderTrainer
+
+    trainer = InOrderTrainer(model=net, args=args, train_dataset=dataset(LENGTHS))
+    callback = attach(trainer, probe=SimulatedDevice("64MiB"), recompute="auto")
+    trainer.train()
+    assert len(injector.errors) == 1 and callback.controller.record.rescues == 1
+    assert callback.controller.planner.keep.alive == 1

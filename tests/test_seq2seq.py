@@ -240,6 +240,38 @@ def test_a_call_to_the_base_model_alone_is_decided_with_both_lengths():
     controller.detach()
 
 
+def test_after_a_rebuild_that_replans_the_stacks_each_call_is_decided_with_the_new_ones():
+    """Checkpointing starts on the decoder alone (the encoder frozen, say), so attach plans one stack; then a
+    trainer turns it off and on again for every module (TRL's reference forward), and the rebuild plans both.
+    Before: the entry hooks kept what attach planned. The first call after the toggle was read with the old
+    stacks (the encoder's layers sized at nothing), and the encoder, an entry only now, was not watched: called
+    alone, its micro-batch was never decided. Now every call reads the stacks of the layout it runs with."""
+    net = bart()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in net.model.encoder.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            module.gradient_checkpointing = False
+    net.train()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    with pytest.warns(AutoOffloadWarning, match="cannot tell its encoder's checkpointed stack from its decoder's"):
+        controller.attach(net)  # one stack checkpointed: which one a call's input_ids are for is not told
+    assert [stack.name for stack in controller.layout.stacks] == ["model.decoder.layers"]
+    net.gradient_checkpointing_disable()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    source, target = torch.randint(3, VOCAB, (BATCH, 40)), torch.randint(3, VOCAB, (BATCH, 24))
+    net(input_ids=source, decoder_input_ids=target, labels=target).loss.backward()
+    controller.end_step()
+    both = {"model.encoder.layers": (40, BATCH * 40), "model.decoder.layers": (24, BATCH * 24)}
+    assert controller.sizes.batch.lengths == both
+    assert controller.last_step_bytes == LAYERS * (layer_bytes(40) + layer_bytes(24))
+    encoded = net.model.encoder(input_ids=torch.randint(3, VOCAB, (BATCH, 32)))
+    assert controller.sizes.batch.lengths == {"model.encoder.layers": (32, BATCH * 32)}
+    encoded.last_hidden_state.sum().backward()
+    controller.end_step()
+    assert controller.last_step_bytes == LAYERS * layer_bytes(32)
+    controller.detach()
+
+
 def prophetnet() -> torch.nn.Module:
     config = transformers.ProphetNetConfig(
         vocab_size=VOCAB,

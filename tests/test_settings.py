@@ -81,13 +81,72 @@ def test_bad_environment_value_fails_when_the_callback_is_built(monkeypatch):
         AutoOffloadCallback()
 
 
-def test_bad_argument_names_the_setting():
-    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_MEMORY_HIGH=2 is not allowed"):
+def test_bad_argument_names_the_argument_not_a_variable_nobody_set():
+    # Before: "AUTOOFFLOAD_MEMORY_HIGH=2 is not allowed", for an argument.
+    with pytest.raises(SettingsError, match=r"^argument memory_high=2 is not allowed: expected a fraction in \(0, 1\]"):
         AutoOffloadCallback(memory_high=2)
     with pytest.raises(SettingsError, match="unknown setting"):
         Settings.from_env({}, memory_hgih=0.5)
-    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_RESCUE='yes' is not allowed: expected a boolean \(1 or 0\)"):
+    with pytest.raises(SettingsError, match=r"^argument rescue='yes' is not allowed: expected a boolean \(1 or 0\)"):
         AutoOffloadCallback(rescue="yes")
+    with pytest.raises(SettingsError, match=r"^argument min_steps=-1 is not allowed"):
+        Settings(min_steps=-1)
+    with pytest.raises(SettingsError, match=r"^argument memory_low=0.95 is above AUTOOFFLOAD_MEMORY_HIGH=0.9"):
+        Settings.from_env({}, memory_low=0.95)  # a default is named by the variable that changes it
+
+
+def test_each_source_is_named_in_its_error(monkeypatch):
+    monkeypatch.setenv("AUTOOFFLOAD_SEQ_HIGH", "100")
+    with pytest.raises(SettingsError, match=r"^argument seq_low=200 is above AUTOOFFLOAD_SEQ_HIGH=100"):
+        AutoOffloadCallback(seq_low=200)
+    axolotl = r"^axolotl config autooffload.seq_low=200 is above AUTOOFFLOAD_SEQ_HIGH=100"
+    with pytest.raises(SettingsError, match=axolotl):
+        Settings.from_env(source="axolotl config autooffload", seq_low=200)
+    with pytest.raises(SettingsError, match=r"^AUTOOFFLOAD_HOST_MEMORY='2.5' is not allowed"):
+        Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": "2.5"})
+    with pytest.raises(SettingsError, match=r"^argument host_memory='2.5' is not allowed: expected 'auto', a fraction"):
+        AutoOffloadCallback(host_memory=2.5)
+    with pytest.raises(SettingsError, match=r"unknown setting\(s\) \['seq_hi'\] in axolotl config autooffload"):
+        Settings.from_env({}, source="axolotl config autooffload", seq_hi=1)
+
+
+@pytest.mark.parametrize("value", [0.5, "0.5", 1, "1", "64GiB", "512MiB", "auto", "AUTO"])
+def test_host_memory_takes_every_documented_form_from_every_source(monkeypatch, value):
+    """The README's forms (a fraction, a size, auto) as an argument, a variable and a YAML value (a float there).
+    Before: the number 0.5 was refused, naming AUTOOFFLOAD_HOST_MEMORY, which nobody had set."""
+    from autooffload.integrations.axolotl import plugin_settings
+    from autooffload.settings import parse_host_memory
+
+    expected = parse_host_memory(str(value))
+    assert parse_host_memory(Settings(host_memory=value).host_memory) == expected
+    assert parse_host_memory(AutoOffloadCallback(host_memory=value, probe=None).controller.settings.host_memory) == (
+        expected
+    )
+    assert parse_host_memory(Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": str(value)}).host_memory) == expected
+    assert plugin_settings({"autooffload": {"host_memory": value}}) == {"host_memory": value}
+    monkeypatch.setenv("AUTOOFFLOAD_HOST_MEMORY", str(value))
+    assert parse_host_memory(AutoOffloadCallback(probe=None).controller.settings.host_memory) == expected
+
+
+@pytest.mark.parametrize("probe", ["nvml", "NVML", "none", "", "Auto", 5])
+def test_a_probe_that_is_not_one_is_refused_at_construction(probe):
+    """Before: accepted; training started without a memory signal and the only sign was a misleading
+    probe-failed warning after the first step."""
+    message = rf"^argument probe={probe!r} is not allowed: expected 'auto' \(NVML on the model's CUDA device\), None"
+    with pytest.raises(SettingsError, match=message):
+        AutoOffloadCallback(probe=probe)
+    from autooffload import OffloadController
+
+    with pytest.raises(SettingsError, match=message):
+        OffloadController(probe=probe)
+
+
+@pytest.mark.parametrize("policy", [5, object(), "oracle"])
+def test_a_policy_that_is_not_one_is_refused_at_construction(policy):
+    message = "^argument policy=.* is not allowed: expected one of"
+    message = "policy='oracle' is not allowed" if policy == "oracle" else message
+    with pytest.raises(SettingsError, match=message):
+        AutoOffloadCallback(policy=policy, probe=None)
 
 
 @pytest.mark.parametrize(

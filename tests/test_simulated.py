@@ -114,3 +114,23 @@ def test_a_probe_that_cannot_watch_the_model_is_dropped_with_one_warning():
     net(input_ids=ids, labels=ids).loss.backward()
     controller.end_step()
     assert controller.memory.probe is None and controller.memory_fraction is None
+
+
+def test_the_simulated_device_lets_go_of_the_model_once_training_ends(tmp_path):
+    """Before: ``unwatch_model`` removed the hooks but kept the model (and the optimizer getter), so a device kept
+    for the next run (the callback holds it) kept the trained model alive after ``del trainer, model``."""
+    import gc
+    import weakref
+
+    from conftest import train
+
+    from autooffload import AutoOffloadCallback
+
+    device = SimulatedDevice("64MiB")
+    callback = AutoOffloadCallback(probe=device)
+    trainer, net = train(tmp_path, [64, 64], callbacks=[callback])
+    alive = weakref.ref(net)
+    del trainer, net
+    gc.collect()
+    assert alive() is None
+    assert device.read() is None  # detached: nothing to read until the next watch_model

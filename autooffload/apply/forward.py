@@ -38,7 +38,11 @@ class ForwardState:
         self.counts = [0] * layers
         self.calls_per_forward = [1] * layers  # per layer, its latest count of calls that was not 0
         self.inputs = LayerInputs(layers)
+        self.called = [False] * layers  # per layer, whether a micro-batch called it yet
         self.on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None
+        # The running micro-batch, as the controller names it: a count made later (a reentrant recompute, in the
+        # backward) is filed under the micro-batch of the call that made it, not the one running then.
+        self.batch: Any = None
 
     def new_forward(self) -> None:
         self.moved.clear()
@@ -48,9 +52,17 @@ class ForwardState:
 
     def take_counts(self) -> list[int]:
         """The calls of each planned layer since the last take (one micro-batch: the controller takes them at
-        every decision), and start counting again; ``calls_per_forward`` keeps, per layer, the last count not 0."""
+        every decision), and start counting again; ``calls_per_forward`` keeps, per layer, the last count not 0,
+        and 0 for a layer never called in a micro-batch that called others: a layer that a framework's wrapper
+        runs without the checkpoint (LLaMA-Factory's frozen layers) holds nothing to offload."""
         counts, self.counts = self.counts, [0] * len(self.counts)
-        self.calls_per_forward = [count or last for count, last in zip(counts, self.calls_per_forward, strict=True)]
+        if not any(counts):  # no forward under grad ran (the first decision, an eval or no-grad forward)
+            return counts
+        self.called = [called or count > 0 for called, count in zip(self.called, counts, strict=True)]
+        self.calls_per_forward = [
+            count or (last if called else 0)
+            for count, last, called in zip(counts, self.calls_per_forward, self.called, strict=True)
+        ]
         return counts
 
     def counter(self, position: int) -> Callable[[tuple], tuple[torch.Tensor, ...]]:

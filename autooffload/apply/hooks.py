@@ -8,7 +8,8 @@ call. A call that carries no tokens while a watched entry lies inside it (TRL's 
 top model through a redirection, its loss function as the forward, and the backbone inside it with the tokens)
 is passed by: ``enter`` returns False, and the entry inside decides where the tokens are. With
 ``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep planner knows
-how many forwards were alive together.
+how many forwards were alive together. Before the controller hears of a training micro-batch (in train mode, under
+grad), ``entered`` does: the ranks' agreement is then due, whatever the controller does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class ForwardHooks:
     None for the model itself (the controller's planned stacks, whatever they are when it is called);
     ``deferrable``: a watched entry lies inside ``module``, so a call without tokens may leave the decision to it
     (``enter`` returns False). ``on_backward``: called once per backward that reaches the model's last trainable
-    parameter."""
+    parameter; ``entered``: called before ``enter`` for a call in train mode under grad (a training micro-batch),
+    and must not raise (a call passed by and the entry inside it both call it: it marks the agreement due).
+    :meth:`follow` watches the entries of a layout read again (a trainer that reinstalled checkpointing may plan
+    other stacks)."""
 
     def __init__(
         self,
@@ -38,25 +42,42 @@ class ForwardHooks:
         entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]],
         enter: Enter,
         on_backward: Callable[[], None] | None = None,
+        entered: Callable[[], None] | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
+        self.model = model
         self._enter = enter
-        watched = [module for module, _ in entries if module is not model]
-        self._handles = self._watch(model, None, bool(watched))
-        for module, stacks in entries:
-            if module is not model:
-                inner = any(other is not module and _holds(module, other) for other in watched)
-                self._handles += self._watch(module, stacks, inner)
+        self._entered = entered
+        self.stacks: dict[torch.nn.Module, Sequence[Stack]] = {}  # each entry's stacks (the model: None)
+        self.deferrable: dict[torch.nn.Module, bool] = {}  # whether a watched entry lies inside (the model too)
+        self._handles = self._watch(model)
+        self._entry_handles: list[Any] = []
+        self.follow(entries)
         backward = count_backwards(model, on_backward) if on_backward is not None else None
         if backward is not None:
             self._handles.append(backward)
 
-    def _watch(self, module: torch.nn.Module, stacks: Sequence[Stack] | None, deferrable: bool) -> list[Any]:
+    def follow(self, entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]]) -> None:
+        """Watch ``entries`` (and no other entry) from the next call on."""
+        for handle in self._entry_handles:
+            handle.remove()
+        self.stacks = {module: stacks for module, stacks in entries if module is not self.model}
+        watched = list(self.stacks)
+        self.deferrable = {
+            module: any(other is not module and _holds(module, other) for other in watched) for module in watched
+        }
+        self.deferrable[self.model] = bool(watched)
+        self._entry_handles = [handle for module in self.stacks for handle in self._watch(module)]
+
+    def _watch(self, module: torch.nn.Module) -> list[Any]:
         @torch.compiler.disable
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.active is None:
                 self.active = entered
-                if self._enter(entered, stacks, args, kwargs, deferrable) is False:
+                if self._entered is not None and entered.training and torch.is_grad_enabled():
+                    self._entered()
+                deferrable = self.deferrable.get(entered, False)
+                if self._enter(entered, self.stacks.get(entered), args, kwargs, deferrable) is False:
                     self.active = None
 
         @torch.compiler.disable
@@ -70,9 +91,9 @@ class ForwardHooks:
         ]
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + self._entry_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._entry_handles, self.stacks, self.deferrable = [], [], {}, {}
         self.active = None
 
 

@@ -40,13 +40,18 @@ def keep_function() -> Callable[..., Any]:
     return checkpoint_keep
 
 
+Report = Callable[[int, int], None]
+
+
 def measuring_keep_function(
-    excluded: Callable[[], set[tuple[torch.device, int]]], report: Callable[[int, int], None]
+    excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report]
 ) -> Callable[..., Any]:
     """The keep rung that also counts what the layer saved beyond ``excluded()`` (parameters, buffers) and its
-    inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run."""
+    inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run; ``report`` is
+    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to)."""
 
     def checkpoint_keep_measured(function, *args, **call_kwargs):
+        report = reporter()
         tensors = list(tensors_in((function, args, call_kwargs)))
         inputs = {key for key in map(storage_key, tensors) if key is not None}
         counter = SavedBytesCounter(excluded() | inputs)
@@ -59,15 +64,18 @@ def measuring_keep_function(
 
 
 def measuring_plain_function(
-    plain: Callable[..., Any], excluded: Callable[[], set[tuple[torch.device, int]]], report: Callable[[int, int], None]
+    plain: Callable[..., Any], excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report]
 ) -> Callable[..., Any]:
     """Plain checkpointing (``plain``) that also counts what the layer would keep without it, and reports it as
     the measuring keep function does: inside the checkpoint, the layer's first forward with gradients on (the
     forward itself; under reentrant checkpointing, the recompute) runs under a counter that hands every tensor
     on to the checkpoint's own hooks, so what is kept and the gradients are plain checkpointing's. A layer's
-    cost is then known before it is ever kept."""
+    cost is then known before it is ever kept. ``report`` is asked of ``reporter`` at the call, in the forward:
+    a reentrant recompute runs in the backward, after later forwards (two forwards before one backward), and its
+    count belongs to the forward that called the layer."""
 
     def checkpoint_plain_measured(function, *args, **call_kwargs):
+        report = reporter()
         tensors = list(tensors_in((function, args, call_kwargs)))
         inputs = {key for key in map(storage_key, tensors) if key is not None}
         done = []

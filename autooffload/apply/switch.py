@@ -102,7 +102,8 @@ class CheckpointSwitch:
     checkpointing (:mod:`~autooffload.apply.keep`: a container's call runs ``layer.__call__`` directly, a
     ``CheckpointWrapper`` its wrapped module) and the others recompute. With ``measure``, every kept or
     recomputing layer counts what it keeps (or would keep without checkpointing) and hands its position, the
-    bytes and the autocast dtype's bytes (0: off) to ``on_measured``. Each planned layer's first call in a
+    bytes, the autocast dtype's bytes (0: off) and its call's micro-batch (``begin_micro_batch``) to
+    ``on_measured``. Each planned layer's first call in a
     micro-batch hands its position and its input's bytes to ``on_first_call`` (0: a call that passes no tensor
     positionally, with one warning). The planned layers are the layer targets of the planned stacks, or, for a
     container target, its calls in one forward (:class:`LayerCalls`); other stacks (a VLM's vision blocks) and
@@ -121,7 +122,7 @@ class CheckpointSwitch:
         host: HostMemory | None = None,
         watched: list[tuple[torch.nn.Module, str]] | None = None,
         on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None,
-        on_measured: Callable[[int, int, int], None] | None = None,
+        on_measured: Callable[[int, int, int, Any], None] | None = None,
     ) -> None:
         self.targets = targets
         self.stats = stats
@@ -150,7 +151,7 @@ class CheckpointSwitch:
         self._keep_measured = [
             self._tag(
                 measuring_keep_function(
-                    functools.partial(parameter_storages, [s.target.module]), functools.partial(self._measured, i)
+                    functools.partial(parameter_storages, [s.target.module]), functools.partial(self._reporter, i)
                 ),
                 s.target,
             )
@@ -161,7 +162,7 @@ class CheckpointSwitch:
                 measuring_plain_function(
                     _plain_function(s.target.kwargs, self.forward.counter(i)),
                     functools.partial(parameter_storages, [s.target.module]),
-                    functools.partial(self._measured, i),
+                    functools.partial(self._reporter, i),
                 ),
                 s.target,
             )
@@ -236,15 +237,27 @@ class CheckpointSwitch:
         """The positions of the layers that offload now."""
         return frozenset(self.order[: max(self.offloaded, 0)])
 
-    def begin_micro_batch(self) -> list[int]:
-        """A micro-batch's forward is next: the engine starts a new chain of layer calls. Returns, per layer, its
-        calls in the last forward that ran it (the counts of the micro-batch before must be taken first)."""
-        self.engine.begin_forward()
+    @property
+    def calls_per_forward(self) -> list[int]:
+        """Per layer, its calls in the last forward that ran it (the counts of the micro-batch before must be taken
+        first)."""
         return self.forward.calls_per_forward
 
-    def _measured(self, position: int, nbytes: int, cast_bytes: int) -> None:
-        if self.on_measured is not None:
-            self.on_measured(position, nbytes, cast_bytes)
+    def begin_micro_batch(self, batch: Any = None) -> None:
+        """A micro-batch's forward is next (``batch``: how the controller names it, handed back with each of its
+        measurements): the engine starts a new chain of layer calls."""
+        self.forward.batch = batch
+        self.engine.begin_forward()
+
+    def _reporter(self, position: int) -> Callable[[int, int], None]:
+        """At a measuring layer call: where its count goes, with the micro-batch the call belongs to."""
+        batch = self.forward.batch
+
+        def report(nbytes: int, cast_bytes: int) -> None:
+            if self.on_measured is not None:
+                self.on_measured(position, nbytes, cast_bytes, batch)
+
+        return report
 
     def new_forward(self) -> None:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a

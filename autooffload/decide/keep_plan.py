@@ -11,7 +11,9 @@ reading (:meth:`~KeepPlanner.end_step`). Three things make its plan right by con
   its seed;
 - **every forward alive before one backward** (chosen and rejected as two calls, contrastive losses, accumulation
   by hand): forwards are counted between backwards, the most alive together over the recent steps is learned,
-  and a forward's plan leaves room for what the forwards before it kept and for the ones still to come;
+  and a forward's plan leaves room for what the forwards before it kept and for the ones still to come; where
+  more forwards are alive than the readings ever saw together (the first step with two), also for the whole
+  footprint of those the prediction does not cover (their checkpointed inputs, logits and loss graph);
 - **nothing kept beyond the lengths a reading covered**: a micro-batch longer than any step a reading saw keeps
   nothing (the all-recompute peak is only known up to there).
 
@@ -53,6 +55,8 @@ class Forward:
     keep: int
     kept_bytes: float
     plain: float | None
+    footprint: float = 0.0  # what it holds until its backward with every layer recomputing, beyond the weights
+    beyond: float = 0.0  # the footprints of earlier forwards alive with it that the prediction does not cover
 
 
 class KeepPlanner:
@@ -136,12 +140,13 @@ class KeepPlanner:
         """How many of the last layers keep for this forward. ``predicted``: the step's all-recompute peak at this
         length; ``limit``: memory_high x device memory; ``margin``: the bytes keep leaves free, before widening.
 
-        What the forwards alive since the last backward kept is already held; this forward and the ones
-        still expected before the backward (``alive`` less those run) each keep the same.
+        What the forwards alive since the last backward kept is already held, and so is the whole footprint of
+        those the prediction does not cover (:meth:`beyond`); this forward and the ones still expected before the
+        backward (``alive`` less those run) each keep the same.
         """
         if tokens <= 0 or tokens > self.longest_read_tokens or not self.layers:
             return 0
-        held = sum(f.kept_bytes for f in self._group)
+        held = sum(f.kept_bytes for f in self._group) + self.beyond()
         expected = max(self.alive - len(self._group), 1)
         cumulative = []
         for keep in range(1, len(self.layers) + 1):
@@ -152,15 +157,32 @@ class KeepPlanner:
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + held, cumulative, len(self.layers), limit, widened, levels)
 
-    def forward(self, tokens: int, seq: int, keep: int, plain: float | None) -> None:
-        """The forward about to run keeps the last ``keep`` layers; ``plain``: the all-recompute peak predicted."""
-        self._group.append(Forward(tokens, seq, keep, self.kept_bytes(keep, tokens, seq) or 0.0, plain))
+    def beyond(self) -> float:
+        """The footprints of the forwards alive since the last backward that the prediction does not cover: it was
+        learned from readings with at most ``alive`` forwards alive together, so with this one there are
+        ``len(group) + 1 - alive`` more (the largest of the earlier ones are counted)."""
+        extra = len(self._group) + 1 - self.alive
+        if extra <= 0:
+            return 0.0
+        return sum(sorted((f.footprint for f in self._group), reverse=True)[:extra])
+
+    def forward(self, tokens: int, seq: int, keep: int, plain: float | None, footprint: float = 0.0) -> None:
+        """The forward about to run keeps the last ``keep`` layers; ``plain``: the all-recompute peak predicted;
+        ``footprint``: what it holds until its backward, every layer recomputing (its checkpointed inputs, logits
+        and loss graph), as the config's per-token terms estimate it."""
+        kept = self.kept_bytes(keep, tokens, seq) or 0.0
+        self._group.append(Forward(tokens, seq, keep, kept, plain, footprint, self.beyond()))
 
     def backward(self) -> None:
         """A backward ran: the forwards before it are freed."""
         if self._group:
             self._groups.append(self._group)
             self._group = []
+
+    def rerun(self) -> None:
+        """The step ran out of memory and is rerun from its start: its forwards so far are freed (the one that
+        failed never reaches its backward), and the rerun runs them again."""
+        self._group, self._groups = [], []
 
     # ---- the reading ----------------------------------------------------------------------------------
 
@@ -185,7 +207,8 @@ class KeepPlanner:
     @staticmethod
     def _predicted(group: list[Forward]) -> float | None:
         plains = [f.plain for f in group if f.plain is not None]
-        return max(plains) + sum(f.kept_bytes for f in group) if plains else None
+        beyond = max((f.beyond for f in group), default=0.0)
+        return max(plains) + sum(f.kept_bytes for f in group) + beyond if plains else None
 
     def _compare(self, reading: float, predicted: float, kept: list[tuple[float, list[Forward]]]) -> None:
         total, group = max(kept, key=lambda entry: entry[0])

@@ -26,6 +26,7 @@ from typing import Any
 
 from . import ladder
 from .keep_plan import KeepPlanner
+from .peak import slope_terms
 from .plan import Agree, Batch, LastReading, Plan, Sizes, fixed_reason, host_cap, policy_reason, predicted_peak
 from .policy import Observation, Policy
 from .predictive import compile_levels, make_policy
@@ -147,7 +148,8 @@ class Planner:
             self.budget.switched()
         measure = self.settings.recompute == "auto" and not self.compiled and self.stacks <= 1
         measure = measure and self.keep.wants(level, tokens, seq_len)
-        self.keep.forward(tokens, seq_len, max(0, min(keep, self.layers - level)), self.keep_plain)
+        footprint = tokens * slope_terms(self.layers, tokens, sized.bytes_per_layer, *self.token_terms)[1]
+        self.keep.forward(tokens, seq_len, max(0, min(keep, self.layers - level)), self.keep_plain, footprint)
         predicted = predicted_peak(self.policy, tokens, sized.bytes_per_layer)
         switched = level != installed[0] and not first
         self.last_reason = reason
@@ -274,6 +276,10 @@ class Planner:
     def backward(self) -> None:
         """A backward ran: the forwards before it are freed."""
         self.keep.backward()
+
+    def rerun(self) -> None:
+        """A rescue reruns the step from its start: what its forwards so far were planned to hold is gone."""
+        self.keep.rerun()
 
     def end_step(self, peak_bytes: float | None, clean: bool) -> None:
         """The step's peak as the probe read it (None: none), and whether it is a sample of training alone: the

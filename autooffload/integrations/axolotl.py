@@ -6,7 +6,7 @@
     autooffload: auto            # or true (the default mode), "on", "off", or a mapping of settings:
     # autooffload:
     #   mode: auto
-    #   host_memory: 0.5
+    #   host_memory: 0.5         # a fraction of host RAM (a number or a string), a size (64GiB) or auto
     #   seq_high: 8192
 
 axolotl (0.21) loads the plugins its config names under ``plugins:`` and also every installed one registered in
@@ -69,10 +69,8 @@ def plugin_settings(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
             settings["mode"] = offload_mode(settings["mode"])
     else:
         raise SettingsError(f"axolotl config {KEY}: {value!r} is not a mode, true or a mapping of settings")
-    try:
-        Settings.from_env({}, **settings)  # the config's values alone: the environment is checked where it is read
-    except SettingsError as error:
-        raise SettingsError(f"axolotl config {KEY}: {error}") from None
+    # The config's values alone (the environment is checked where it is read); an error names the config key.
+    Settings.from_env({}, source=f"axolotl config {KEY}", **settings)
     return settings
 
 

@@ -114,9 +114,12 @@ class AutoOffload(Callback):
 
     # ---- the run -------------------------------------------------------------------------------------
 
-    @guarded("on_train_start", retry=True)
+    @guarded("Lightning on_train_start", always=True)
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         saved, self._saved = self._saved, None
+        if self.controller.failed:  # gave up in this fit already (loading its checkpoint's state)
+            self.controller.attach(self.controlled(pl_module))  # attaches nothing; under torch.distributed, joins
+            return
         if saved is not None:
             self.controller.load_state_dict(saved)
         else:
@@ -135,13 +138,13 @@ class AutoOffload(Callback):
             return getattr(pl_module, self.model)
         return next((m for m in pl_module.modules() if getattr(m, "config", None) is not None), pl_module)
 
-    @guarded("on_train_batch_start")
+    @guarded("Lightning on_train_batch_start")
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self._step_open:  # the step's first micro-batch: its peak starts here
             self._step_open = True
             self.controller.begin_step()
 
-    @guarded("on_train_batch_end")
+    @guarded("Lightning on_train_batch_end")
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._global_step:
             return  # a micro-batch that accumulates: the step goes on
@@ -153,24 +156,26 @@ class AutoOffload(Callback):
         if trainer.global_step % max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1) == 0:
             self._write_history()
 
-    @guarded("on_validation_end")
+    @guarded("Lightning on_validation_end")
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self.controller.note_side_work()
 
-    @guarded("on_train_end")
+    @guarded("Lightning on_train_end", always=True)
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.controller.switch is not None:
-            summary = self.controller.finish()  # every rank: a collective under torch.distributed
-            if trainer.is_global_zero:
-                logger.info(summary)
+        attached = self.controller.switch is not None
+        summary = self.controller.finish()  # every rank, one that gave up too: a collective under torch.distributed
+        if attached and trainer.is_global_zero:
+            logger.info(summary)
         self._write_history()
         self.controller.detach()
 
-    @guarded("on_exception")
+    @guarded("Lightning on_exception", always=True)
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """``fit`` raised (or was interrupted): write the history and detach, with no collective."""
+        """``fit`` raised (or was interrupted): write the history and detach, with no collective; a give-up ends
+        with the run, so the next ``fit`` tries again."""
         self._write_history()
         self.controller.detach()
+        self.controller.end_run()
 
     # ---- checkpoints ---------------------------------------------------------------------------------
 
@@ -181,7 +186,7 @@ class AutoOffload(Callback):
         # Lightning loads callback states before on_train_start: keep it until the run starts there.
         self._saved = state_dict.get("controller_state")
 
-    @guarded("on_save_checkpoint")
+    @guarded("Lightning on_save_checkpoint")
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self.controller.note_side_work()
         self._write_history()

@@ -26,6 +26,10 @@ ENABLE_HINT = (
     "enable checkpointing first: TrainingArguments(activation_checkpointing=True) "
     "(gradient_checkpointing=True before transformers 5.23) or model.gradient_checkpointing_enable()"
 )
+CHECKPOINTING_OFF = (
+    "checkpointing was turned off during training, so nothing is offloaded and autooffload reports level 0 until "
+    "it is turned on again"
+)
 
 
 @dataclasses.dataclass(frozen=True)

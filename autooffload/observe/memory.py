@@ -9,12 +9,16 @@ needed. A probe that fails is dropped with one warning: training goes on without
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..guard import training_error
+from ..settings import SettingsError
 from .model import optimizer_state_bytes
 from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
 
@@ -37,6 +41,11 @@ class MemoryMonitor:
     ``None``; ``warn``: the controller's :class:`~autooffload.warn.WarnOnce`."""
 
     def __init__(self, choice: MemoryProbe | str | None, warn: Callable[[str, str], Any]) -> None:
+        if not (choice is None or choice == "auto" or callable(getattr(choice, "read", None))):
+            raise SettingsError(
+                f"argument probe={choice!r} is not allowed: expected 'auto' (NVML on the model's CUDA device), None "
+                "(no memory reading) or a probe object with read() (autooffload.ScriptedProbe, SimulatedDevice, ...)"
+            )
         self.choice = choice
         self.warn = warn
         self.probe: MemoryProbe | None = None
@@ -64,13 +73,21 @@ class MemoryMonitor:
             watch(model, lambda: self.optimizer)
         except Exception as error:
             self.warn("probe-watch", f"memory probe watch_model failed ({error!r}); no memory reading from it")
-            self.probe = None
+            self._drop()
 
     def detach(self) -> None:
         unwatch = getattr(self.probe, "unwatch_model", None)
         if callable(unwatch):
             unwatch()
         self.optimizer = None
+
+    def _drop(self) -> None:
+        """Stop using the probe: what it watches on the model (a simulated device's hooks) goes with it."""
+        probe, self.probe = self.probe, None
+        unwatch = getattr(probe, "unwatch_model", None)
+        if callable(unwatch):
+            with contextlib.suppress(Exception):  # a probe already failing; its hooks are all it could leave
+                unwatch()
 
     def _make_probe(self, devices: list[torch.device], settings: Any) -> MemoryProbe | None:
         if self.choice != "auto":
@@ -96,6 +113,8 @@ class MemoryMonitor:
         try:
             reset()
         except Exception as error:  # a probe's failure must not end the run; the reading still works
+            if training_error(error):
+                raise  # the device itself failed (a kernel's error surfacing here): the step's error, not the probe's
             self.warn("probe-reset", f"memory probe reset failed ({error!r}); a step's peak may include earlier work")
             return
         self.side_work = False  # evaluation or saving before the reset is not in this step's reading
@@ -131,17 +150,18 @@ class MemoryMonitor:
             return None, None, self.last.total
         try:
             reading = self.probe.read()
-        except Exception as error:  # NVML can fail mid-run (driver reset, XID); training goes on
-            self.probe = None
+            if reading is None:
+                return None, None, self.last.total
+            used, total = _checked(reading)
+        except Exception as error:  # NVML can fail mid-run (driver reset, XID), a probe can read garbage
+            if training_error(error):
+                raise  # the device itself failed (a kernel's error surfacing here): the step's error, not the probe's
+            self._drop()
             self.warn(
                 "probe-failed",
                 f"memory reading failed ({error!r}); the sequence-length trigger alone decides from now on",
             )
             return None, None, self.last.total
-        if reading is None:
-            return None, None, self.last.total
-        # Plain ints (a user's probe may hand numpy's): the state goes into Trainer's trainer_state.json.
-        used, total = int(reading.used_bytes), int(reading.total_bytes)
         return used / total, used, total
 
     def _pending_optimizer_bytes(self) -> int:
@@ -177,3 +197,13 @@ class MemoryMonitor:
             int(state.get("pending_bytes") or 0),  # a checkpoint after step 0: Adam's state to come
         )
         self.peak_fraction = state.get("peak_memory_fraction")
+
+
+def _checked(reading: Any) -> tuple[int, int]:
+    """A reading's (used, total) bytes as plain ints (a user's probe may hand numpy's; the state goes into Trainer's
+    trainer_state.json); ValueError for what is no reading: not finite, a total that is not positive, a use below 0
+    or above the total."""
+    used, total = float(reading.used_bytes), float(reading.total_bytes)
+    if not (math.isfinite(used) and math.isfinite(total) and total > 0 and 0 <= used <= total):
+        raise ValueError(f"the probe read {reading.used_bytes!r} of {reading.total_bytes!r} bytes, which is no reading")
+    return int(used), int(total)

@@ -75,12 +75,14 @@ class SimulatedDevice:
         ]
 
     def unwatch_model(self) -> None:
-        """Stop counting (the controller calls it at detach)."""
+        """Stop counting and let go of the model and the optimizer (the controller calls it at detach): a probe
+        kept for the next run must not keep them alive."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         while self._counters:
             self._counters.pop().__exit__()
+        self._model, self._optimizer = None, lambda: None
 
     def reset(self) -> None:
         """A step begins: its activations start from nothing; the optimizer state it holds is what exists now."""

@@ -1,0 +1,924 @@
+"""The fault matrix: a failure at every guarded entry point, and the other faults a training job meets.
+
+    python benchmarks/faults.py --out DIR              # the whole matrix (tens of minutes on two CPU cores)
+    python benchmarks/faults.py --out DIR --quick      # a slice of it (what tests/test_faults.py runs)
+
+Each cell trains a tiny random Qwen3 through the real Trainer (4 layers, hidden 64, gradient accumulation 2,
+6 optimizer steps of mixed lengths, an evaluation and a checkpoint save every 3 steps) with
+``autooffload.attach(trainer)``, mode ``auto`` and a :class:`~autooffload.SimulatedDevice` small enough that the
+long micro-batches offload and (``recompute="auto"``) the short ones keep; then injects one fault. Axes:
+
+- **topology**: one process; two ranks under DDP over gloo (``torchrun``); two ranks under DeepSpeed ZeRO-3
+  through Trainer (the entry points it reaches: no rescue there);
+- **engine** ``sync``/``stream``, **policy** ``predictive``/``hysteresis``, **recompute** ``always``/``auto``;
+- **faults**: an exception at every guarded entry point, enumerated from ``autooffload.guard.ENTRY_POINTS`` (a
+  new entry point is covered without editing this file), raised before the entry's body runs (and, for one
+  configuration per topology, after it ran), at the middle call of those the fault-free run made (the first, for
+  entries called once), on rank 1 of two; a probe that raises an NVML error, or that returns ``None``, a
+  fraction above 1 or NaN, or whose ``reset()`` raises; host buffers that cannot be allocated or pinned, and host
+  memory running out mid-step; a process killed with SIGKILL between two steps, then resumed from the last
+  Trainer checkpoint. An entry point reached only in a resumed run (a load) runs resumed from the fault-free
+  run's checkpoint; one reached only by an out-of-memory step (the rescue) runs with one injected.
+
+Per cell: **survived** (every rank finished every step, no hang, no crash), **identical** (per micro-batch losses
+and final parameters bit-identical, fp32 on the CPU, to the same configuration's fault-free run, itself equal to
+plain checkpointing), **warned** (the failing rank warned once, naming the entry point and the cause; the other
+rank once, naming the rank that gave up), **detached** (no hook, owner or host buffer of autooffload left on the
+model, its checkpoint functions plain), **same collectives** (the ranks made the same sequence of Python-level
+collectives, and autooffload no more than without the fault), and for the kill, **resumed exactly** (the resumed
+run's losses and parameters those of the uninterrupted run). It writes ``faults.json`` (every cell) and
+``faults.md`` (the table) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout, not an installed autooffload
+
+import torch  # noqa: E402
+
+from autooffload.fallback import AT_END  # noqa: E402
+
+LAYERS, HIDDEN, VOCAB = 4, 64, 256
+STEPS, ACCUMULATION, SAVE_EVERY = 6, 2, 3
+LENGTHS = (32, 256, 48, 224, 32, 192, 40, 256, 32, 96, 224, 32)  # per micro-batch, one optimizer step = 2
+DEVICE_BYTES = "2.4MiB"  # the simulated device: long micro-batches offload, short ones keep (recompute="auto")
+THRESHOLDS = dict(seq_high=200, seq_low=100, min_steps=1)  # the hysteresis policy's, on these lengths
+TIMEOUT = datetime.timedelta(seconds=60)  # the process group's: a rank left waiting fails instead of hanging
+BATCH_TIMEOUT_S = 1800
+TOPOLOGIES = ("one", "ddp", "zero3")
+ENGINES, POLICIES, RECOMPUTES = ("sync", "stream"), ("predictive", "hysteresis"), ("always", "auto")
+PROBE_FAULTS = ("nvml-error", "none", "above-1", "nan", "reset-raises")
+HOST_FAULTS = ("allocate-fails", "pin-fails", "host-runs-out")
+# The names of autooffload's checkpoint functions other than plain checkpointing's.
+ACTIVE_FUNCTIONS = ("checkpoint_offload", "checkpoint_keep", "checkpoint_keep_measured", "checkpoint_plain_measured")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    topology: str = "one"
+    engine: str = "sync"
+    policy: str = "predictive"
+    recompute: str = "always"
+
+    @property
+    def name(self) -> str:
+        return f"{self.topology}/{self.engine}/{self.policy}/{self.recompute}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """``kind``: "none", "entry", "probe", "host" or "kill"; ``name``: the entry point or the fault's name;
+    ``timing``: "before" or "after" the entry's body; ``at``: which call of it fails; ``run``: "fresh",
+    "resumed" (from the fault-free run's checkpoint) or "rescued" (an out-of-memory step injected)."""
+
+    kind: str = "none"
+    name: str = ""
+    timing: str = "before"
+    at: int = 1
+    run: str = "fresh"
+    ranks: str = "last"  # which ranks fail: "last" (rank 1 of 2, or the only one), "first" (rank 0) or "all"
+
+    @property
+    def label(self) -> str:
+        parts = (["after its body"] if self.timing == "after" else []) + {
+            "last": [], "first": ["rank 0"], "all": ["every rank"]
+        }[self.ranks]  # fmt: skip
+        detail = f" ({', '.join(parts)})" if parts else ""
+        if self.kind == "entry":
+            return f"entry: {self.name}{detail}"
+        return self.kind if self.kind in ("none", "kill") else f"{self.kind}: {self.name}{detail}"
+
+    def failing(self, rank: int, world: int) -> bool:
+        """Whether ``rank`` of ``world`` is one this fault strikes."""
+        return self.ranks == "all" or rank == (0 if self.ranks == "first" else world - 1)
+
+
+class InjectedFault(RuntimeError):
+    """The exception the matrix raises inside autooffload."""
+
+
+# ---- one training run -------------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def entry_points() -> dict[str, Any]:
+    """Every guarded entry point of autooffload, by the ``where`` its warning names."""
+    import autooffload.callback
+    import autooffload.rescue  # noqa: F401
+    from autooffload.guard import ENTRY_POINTS
+
+    return {  # a framework integration's entry points run under that framework: its own tests fail them
+        where: point
+        for where, point in ENTRY_POINTS.items()
+        if point.method.__module__.startswith("autooffload") and ".integrations." not in point.method.__module__
+    }
+
+
+@contextlib.contextmanager
+def counting_entries() -> Iterator[dict[str, int]]:
+    """Count the calls of every entry point (the guard's skip after a give-up is not counted)."""
+    counts: dict[str, int] = {}
+    points = entry_points()
+    originals = {where: point.method for where, point in points.items()}
+
+    def counted(where: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            counts[where] = counts.get(where, 0) + 1
+            return method(owner, *args, **kwargs)
+
+        return call
+
+    for where, point in points.items():
+        point.method = counted(where, originals[where])
+    try:
+        yield counts
+    finally:
+        for where, point in points.items():
+            point.method = originals[where]
+
+
+@contextlib.contextmanager
+def injected(fault: Fault) -> Iterator[dict[str, int]]:
+    """Raise :class:`InjectedFault` at the ``fault.at``-th call of the entry point, before or after its body."""
+    point = entry_points()[fault.name]
+    original = point.method
+    state = {"calls": 0, "raised": 0}
+
+    def failing(owner: Any, *args: Any, **kwargs: Any) -> Any:
+        state["calls"] += 1
+        fire = state["calls"] == fault.at
+        if fire and fault.timing == "before":
+            state["raised"] += 1
+            raise InjectedFault(f"injected at call {fault.at}")
+        result = original(owner, *args, **kwargs)
+        if fire:
+            state["raised"] += 1
+            raise InjectedFault(f"injected after call {fault.at}")
+        return result
+
+    point.method = failing
+    try:
+        yield state
+    finally:
+        point.method = original
+
+
+class FaultyProbe:
+    """A simulated device whose second reading (and later ones) is ``fault``: an NVML error, None, a fraction
+    above 1, NaN; or whose ``reset()`` raises from the second step on."""
+
+    def __init__(self, device: Any, fault: str) -> None:
+        self.device, self.fault, self.reads, self.resets = device, fault, 0, 0
+
+    def watch_model(self, model: Any, optimizer: Any = None) -> None:
+        self.device.watch_model(model, optimizer)
+
+    def unwatch_model(self) -> None:
+        self.device.unwatch_model()
+
+    def reset(self) -> None:
+        self.resets += 1
+        if self.fault == "reset-raises" and self.resets >= 2:
+            raise RuntimeError("the probe's reset failed")
+        self.device.reset()
+
+    def read(self) -> Any:
+        from autooffload import MemoryReading
+
+        reading = self.device.read()
+        self.reads += 1
+        if self.reads < 2 or reading is None or self.fault == "reset-raises":
+            return reading
+        if self.fault == "nvml-error":
+            import pynvml
+
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if self.fault == "none":
+            return None
+        if self.fault == "above-1":
+            return MemoryReading(reading.total_bytes + reading.used_bytes, reading.total_bytes)
+        return MemoryReading(float("nan"), reading.total_bytes)
+
+
+def faulty_host(fault: str) -> Any:
+    """Host memory that pins (a stand-in for ``cudaHostRegister`` on this CPU, so that the engines copy into
+    its buffers) and then fails: allocation from the third buffer on, pinning from the second, or host memory
+    that runs short in the middle of the second step."""
+    from autooffload.apply.host_memory import HostMemory, pageable
+
+    plenty, calls = (1 << 40, 1 << 41), {"allocate": 0, "register": 0, "memory": 0}
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        calls["allocate"] += 1
+        if fault == "allocate-fails" and calls["allocate"] >= 3:
+            raise MemoryError("mmap failed: cannot allocate memory")
+        return pageable(nbytes)
+
+    def register(buffer: torch.Tensor) -> None:
+        calls["register"] += 1
+        if fault == "pin-fails" and calls["register"] >= 2:
+            raise RuntimeError("cudaHostRegister failed with cudaError 2")
+
+    def memory() -> tuple[int, int]:
+        calls["memory"] += 1
+        return (1 << 30, plenty[1]) if fault == "host-runs-out" and calls["memory"] >= 3 else plenty
+
+    return HostMemory(None, pin=True, allocate=allocate, register=register, unregister=lambda b: None,
+                      drain=lambda d: None, memory=memory)  # fmt: skip
+
+
+class OutOfMemoryOnce:
+    """A forward pre-hook on the final norm that raises one out-of-memory error, in the second micro-batch of
+    the second step, after every checkpointed layer saved its input: what the rescue reruns."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+
+
+def parameter_digest(model: torch.nn.Module, zero3: bool) -> str:
+    digest = hashlib.sha256()
+    parameters = sorted(model.named_parameters())
+    gathered = contextlib.nullcontext()
+    if zero3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([p for _, p in parameters], modifier_rank=None)
+    with gathered:
+        for name, parameter in parameters:
+            digest.update(name.encode())
+            digest.update(parameter.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def recording_collectives() -> Iterator[dict[str, Any]]:
+    """The Python-level collectives this process makes (name and tensor shape, in order), and autooffload's."""
+    from autooffload import distributed as ours
+
+    record: dict[str, Any] = {"sequence": [], "autooffload": 0}
+    dist = torch.distributed
+    names = ("all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter_tensor", "all_gather_into_tensor")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def recorded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[0] if args and torch.is_tensor(args[0]) else None
+            shape = list(tensor.shape) if tensor is not None else None
+            record["sequence"].append([name, shape])
+            return function(*args, **kwargs)
+
+        return call
+
+    mine = {name: getattr(ours, name) for name in ("all_reduce_max", "join_ranks", "gather_peaks")}
+
+    def counted(function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            record["autooffload"] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    for name, function in originals.items():
+        setattr(dist, name, recorded(name, function))
+    for name, function in mine.items():
+        setattr(ours, name, counted(function))
+    try:
+        yield record
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+        for name, function in mine.items():
+            setattr(ours, name, function)
+
+
+def autooffload_hooks(model: torch.nn.Module) -> int:
+    """Forward hooks of autooffload's on ``model``'s modules (Trainer adds hooks of its own)."""
+    import inspect
+
+    hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    return sum(getattr(inspect.unwrap(hook), "__module__", "").startswith("autooffload") for hook in hooks)
+
+
+def leftovers(model: torch.nn.Module, callback: Any) -> list[str]:
+    """What autooffload left on ``model`` after training (empty: nothing)."""
+    from autooffload import lifecycle
+
+    found = []
+    hooks = autooffload_hooks(model)
+    if hooks:
+        found.append(f"{hooks} forward hook(s)")
+    if lifecycle.owner(model) is not None:
+        found.append("an owning controller")
+    functions = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()]
+    active = {f.__name__ for f in functions if getattr(f, "__name__", "") in ACTIVE_FUNCTIONS}
+    if active:
+        found.append(f"checkpoint functions {sorted(active)}")
+    if callback is not None and callback.controller.host.held_bytes:
+        found.append(f"{callback.controller.host.held_bytes} host bytes held")
+    if callback is not None and callback.controller.fallback.notice is not None:
+        found.append("a rank notice")
+    return found
+
+
+def train(config: Config, fault: Fault, out: Path, autooffload: bool = True, kill_at: int | None = None,
+          resume: str | None = None, save_every: int = SAVE_EVERY) -> dict[str, Any]:  # fmt: skip
+    """One Trainer run on this rank; returns what the matrix compares."""
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from autooffload import AutoOffloadWarning, SimulatedDevice, attach
+    from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
+
+    losses: list[float] = []
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return SequentialSampler(self.train_dataset)
+
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            losses.append(loss.item())
+            return loss
+
+    class Kill(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if kill_at is not None and state.global_step == kill_at and rank() == world() - 1:
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    zero3 = config.topology == "zero3"
+    size = world()
+    lengths = [LENGTHS[i % len(LENGTHS)] for i in range(STEPS * ACCUMULATION * size)]  # rank r: every size-th
+    plain = {k: {"use_reentrant": False} if k.endswith("_kwargs") else v for k, v in checkpointing_arguments().items()}
+    extra: dict[str, Any] = {}
+    if size > 1:
+        extra.update(ddp_backend="gloo", ddp_timeout=int(TIMEOUT.total_seconds()))
+    if zero3:
+        extra["deepspeed"] = {
+            "zero_optimization": {"stage": 3},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+        }
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=save_every,
+        eval_strategy="steps",
+        eval_steps=SAVE_EVERY,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        optim="sgd",  # no optimizer state: the activations, not Adam's moments, decide what fits
+        **plain,
+        **extra,
+    )
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    oom = OutOfMemoryOnce() if fault.run == "rescued" else None
+    if oom is not None:
+        model.model.norm.register_forward_pre_hook(oom)
+    mine = fault.kind in ("entry", "probe", "host") and fault.failing(rank(), world())
+    device: Any = SimulatedDevice(DEVICE_BYTES)
+    if fault.kind == "probe" and mine:
+        device = FaultyProbe(device, fault.name)
+    evaluation = MixedLengths([48, 96], VOCAB)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        trainer = InOrderTrainer(
+            model=model, args=args, train_dataset=MixedLengths(lengths, VOCAB), eval_dataset=evaluation,
+            callbacks=[Kill()],
+        )  # fmt: skip
+        callback = None
+        if autooffload:
+            settings = dict(engine=config.engine, policy=config.policy, recompute=config.recompute, **THRESHOLDS)
+            callback = attach(trainer, probe=device, **settings)
+            if fault.kind == "host" and mine:
+                callback.controller.host = faulty_host(fault.name)
+        started = time.perf_counter()
+        with recording_collectives() as collectives:
+            if fault.kind == "entry" and mine:
+                with injected(fault) as injection:
+                    trainer.train(resume_from_checkpoint=resume)
+            else:
+                injection = None
+                with counting_entries() as counts:
+                    trainer.train(resume_from_checkpoint=resume)
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    return {
+        "config": config.name,
+        "fault": dataclasses.asdict(fault),
+        "rank": rank(),
+        "steps": trainer.state.global_step,
+        "losses": losses,
+        "parameters": parameter_digest(model, zero3),
+        "warnings": ours,
+        "raised": injection["raised"] if injection is not None else None,
+        "entry_calls": counts if injection is None else None,
+        "leftovers": leftovers(model, callback),
+        "collectives": collectives["sequence"],
+        "autooffload_collectives": collectives["autooffload"],
+        "bytes_moved": callback.controller.stats.total_bytes if callback is not None else 0,
+        "rescues": callback.controller.record.rescues if callback is not None else 0,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+# ---- jobs: one run each, in this process or in a torchrun worker --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run of the matrix: ``role`` "plain" (no autooffload), "reference" (no fault) or "cell"; ``resume``: a
+    checkpoint to start from; ``kill_at``: the step at whose start the last rank kills itself; ``save_every``."""
+
+    config: Config
+    fault: Fault
+    role: str
+    out: str
+    resume: str | None = None
+    kill_at: int | None = None
+    save_every: int = SAVE_EVERY
+
+    @property
+    def key(self) -> str:
+        return f"{self.role} {self.config.name} {self.fault.label} {self.fault.run} at {self.fault.at}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Job:
+        return Job(Config(**data["config"]), Fault(**data["fault"]), **{
+            k: v for k, v in data.items() if k not in ("config", "fault")
+        })  # fmt: skip
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    result = train(job.config, job.fault, Path(job.out), autooffload=job.role != "plain", kill_at=job.kill_at,
+                   resume=job.resume, save_every=job.save_every)  # fmt: skip
+    return {"key": job.key, **result}
+
+
+def worker(jobs_file: Path, results: Path) -> None:
+    """A torchrun worker: run the jobs in order, appending each result to ``results/rank{N}.jsonl`` as it ends."""
+    torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
+    jobs = [Job.from_json(data) for data in json.loads(jobs_file.read_text())]
+    for job in jobs:
+        result = run_job(job)
+        with open(results / f"rank{rank()}.jsonl", "a") as file:
+            file.write(json.dumps(result) + "\n")
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as tests/distributed_worker.py: no interpreter teardown (DeepSpeed's CPU ranks abort in it)
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOOFFLOAD_", "ACCELERATE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault(
+        "TORCH_EXTENSIONS_DIR",
+        str(
+            Path.home()
+            / ".cache"
+            / "autooffload"
+            / "torch_extensions"
+            / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+        ),
+    )
+    return env
+
+
+def launch(command: list[str], timeout_s: int) -> tuple[int, str]:
+    """Run ``command`` in its own process group; kill the group if it overruns. Returns (exit code, output tail)."""
+    process = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return -999, output[-3000:]
+    return process.returncode, output[-3000:]
+
+
+def run_ranked(jobs: list[Job], scratch: Path, timeout_s: int = BATCH_TIMEOUT_S) -> dict[str, list[dict | None]]:
+    """Run ``jobs`` on two ranks (torchrun); returns, per job key, each rank's result (None: it did not finish).
+    A batch that crashes or hangs is retried from the job after the one that did not finish."""
+    results: dict[str, list[dict | None]] = {}
+    pending = list(jobs)
+    while pending:
+        batch = scratch / f"batch-{time.monotonic_ns()}"
+        batch.mkdir(parents=True)
+        (batch / "jobs.json").write_text(json.dumps([job.to_json() for job in pending]))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(Path(__file__).resolve()), "--worker", str(batch / "jobs.json"), str(batch)]  # fmt: skip
+        code, output = launch(command, timeout_s)
+        done = [[json.loads(line) for line in (batch / f"rank{r}.jsonl").read_text().splitlines()]
+                if (batch / f"rank{r}.jsonl").exists() else [] for r in range(2)]  # fmt: skip
+        finished = min(len(done[0]), len(done[1]))
+        for index, job in enumerate(pending[:finished]):
+            results[job.key] = [done[0][index], done[1][index]]
+        if finished == len(pending):
+            break
+        failed = pending[finished]
+        results[failed.key] = [
+            done[r][finished] if len(done[r]) > finished else None for r in range(2)
+        ]  # fmt: skip
+        results[failed.key + " output"] = output  # type: ignore[assignment]
+        if code == 0:  # every rank returned, yet a result is missing: nothing more to learn from a rerun
+            break
+        pending = pending[finished + 1 :]
+    return results
+
+
+def run_alone(jobs: list[Job], scratch: Path) -> dict[str, list[dict | None]]:
+    """Run ``jobs`` in this process, one after the other; a job that raises did not finish."""
+    results: dict[str, list[dict | None]] = {}
+    for job in jobs:
+        try:
+            results[job.key] = [run_job(job)]
+        except Exception as error:  # a cell that does not survive is a result, not the end of the matrix
+            results[job.key] = [None]
+            results[job.key + " output"] = f"{type(error).__name__}: {error}"  # type: ignore[assignment]
+    return results
+
+
+def run_single(job: Job, scratch: Path) -> tuple[int, dict | None]:
+    """Run one job in a process of its own (a kill must not take this one with it)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    spec, out = scratch / f"job-{time.monotonic_ns()}.json", scratch / f"result-{time.monotonic_ns()}.json"
+    spec.write_text(json.dumps(job.to_json()))
+    code, _ = launch([sys.executable, str(Path(__file__).resolve()), "--job", str(spec), str(out)], BATCH_TIMEOUT_S)
+    return code, json.loads(out.read_text()) if out.exists() else None
+
+
+# ---- the matrix -------------------------------------------------------------------------------------------
+
+
+def configs(topology: str, quick: bool) -> list[Config]:
+    if quick:  # recompute="auto": the one configuration that reaches every entry point (a kept layer's report)
+        return [Config(topology, recompute="auto")]
+    return [Config(topology, e, p, r) for e in ENGINES for p in POLICIES for r in RECOMPUTES]
+
+
+def references(topology: str, config: Config, out: Path) -> list[Job]:
+    """The fault-free runs a configuration's cells are compared with: plain checkpointing, autooffload fresh,
+    autooffload resumed from the fresh run's checkpoint and (one process) with an out-of-memory step rescued."""
+    base = out / "runs" / config.name.replace("/", "-")
+    jobs = [
+        Job(config, Fault(), "plain", str(base / "plain")),
+        Job(config, Fault(), "reference", str(base / "reference")),
+        Job(config, Fault(run="resumed"), "reference", str(base / "reference-resumed"),
+            resume=str(base / "reference" / f"checkpoint-{SAVE_EVERY}")),
+    ]  # fmt: skip
+    if topology == "one":
+        jobs.append(Job(config, Fault(run="rescued"), "reference", str(base / "reference-rescued")))
+    return jobs
+
+
+def cells(
+    config: Config,
+    counts: dict[str, list[dict[str, int]]],
+    out: Path,
+    timings: tuple[str, ...],
+    only: tuple[str, ...] | None,
+    subsets: tuple[str, ...] = ("last",),
+) -> tuple[list[Job], list[str]]:
+    """Every entry point x ``timings`` x failing ``subsets`` at the run kind that reaches it on the failing ranks
+    (``counts``: per run kind, each rank's calls of each entry point), every probe and host fault; and the entry
+    points no run kind reaches in this configuration."""
+    base = out / "runs" / config.name.replace("/", "-")
+    checkpoint = str(base / "reference" / f"checkpoint-{SAVE_EVERY}")
+    jobs, unreached = [], []
+    size = len(next(iter(counts.values())))
+    for where in sorted(entry_points()):
+        if only is not None and where not in only:
+            continue
+        reached = False
+        for subset in subsets if size > 1 else ("last",):
+            failing = [r for r in range(size) if Fault(ranks=subset).failing(r, size)]
+            calls_of = {kind: min(per_rank[r].get(where, 0) for r in failing) for kind, per_rank in counts.items()}
+            run = next((kind for kind in ("fresh", "resumed", "rescued") if calls_of.get(kind)), None)
+            if run is None:
+                continue
+            reached = True
+            for timing in timings:
+                fault = Fault("entry", where, timing, max(1, (calls_of[run] + 1) // 2), run, subset)
+                name = f"{where}-{timing}-{subset}".replace(" ", "_").replace("'", "")
+                resume = checkpoint if run == "resumed" else None
+                jobs.append(Job(config, fault, "cell", str(base / name), resume=resume))
+        if not reached:
+            unreached.append(where)
+    for kind, names in (("probe", PROBE_FAULTS), ("host", HOST_FAULTS)):
+        for name in names:
+            if only is None or name in only:
+                jobs.append(Job(config, Fault(kind, name), "cell", str(base / f"{kind}-{name}")))
+    return jobs, unreached
+
+
+def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plain: list[dict | None]) -> dict:
+    """A cell's verdict, from every rank's result and its configuration's fault-free ones."""
+    fault = job.fault
+    survived = all(r is not None and r["steps"] == STEPS for r in ranks)
+    verdict: dict[str, Any] = {"key": job.key, "config": job.config.name, "fault": fault.label, "run": fault.run,
+                               "at": fault.at, "survived": survived}  # fmt: skip
+    if not survived:
+        return verdict
+    failing = [r for r in range(len(ranks)) if fault.failing(r, len(ranks))]
+    verdict["identical"] = all(
+        r["losses"] == ref["losses"] and r["parameters"] == ref["parameters"]
+        for r, ref in zip(ranks, reference, strict=True)
+    )
+    verdict["plain_identical"] = fault.run != "fresh" or all(
+        r["parameters"] == p["parameters"] for r, p in zip(ranks, plain, strict=True)
+    )
+    expected = {
+        "entry": f"internal error in {fault.name} (InjectedFault: injected",
+        "probe": "memory probe reset failed" if fault.name == "reset-raises" else "memory reading failed",
+        "host": {"allocate-fails": "could not be allocated", "pin-fails": "pinning host memory failed",
+                 "host-runs-out": "host memory is short"}.get(fault.name, "?"),
+    }[fault.kind]  # fmt: skip
+
+    # A fault may change which configuration warnings a run meets (keep-no-prediction after a missing reading):
+    # what is judged is the failure's own warning, and the give-up's.
+    def failure_warnings(r: dict) -> list[str]:
+        return [w for w in r["warnings"] if "internal error in" in w or "gave up" in w or expected in w]
+
+    others = [failure_warnings(ranks[i]) for i in range(len(ranks)) if i not in failing]
+    warned = all(failure_warnings(ranks[i]) == [w for w in ranks[i]["warnings"] if expected in w] for i in failing)
+    warned = warned and all(sum(expected in w for w in ranks[i]["warnings"]) == 1 for i in failing)
+    if fault.kind == "probe" and fault.name == "none":  # no reading for a step is no failure: nothing to say
+        warned = all(failure_warnings(r) == [] for r in ranks)
+    elif fault.kind == "entry" and ((fault.name in AT_END and fault.timing == "after") or fault.ranks == "all"):
+        warned = warned and all(o == [] for o in others)  # nothing left to tell, or nobody left to tell it to
+    elif fault.kind == "entry":
+        told = f"rank {max(failing)} gave up"
+        warned = warned and all(len(o) == 1 and told in o[0] for o in others)
+    else:
+        warned = warned and all(o == [] for o in others)
+    if fault.kind == "entry":
+        verdict["raised"] = all(ranks[i]["raised"] == 1 for i in failing)
+    verdict["warned"] = warned
+    verdict["detached"] = all(not r["leftovers"] for r in ranks)
+    verdict["same_collectives"] = all(r["collectives"] == ranks[0]["collectives"] for r in ranks) and all(
+        r["autooffload_collectives"] <= ref["autooffload_collectives"] for r, ref in zip(ranks, reference, strict=True)
+    )
+    verdict["leftovers"] = sorted({item for r in ranks for item in r["leftovers"]})
+    return verdict
+
+
+def kill_cells(topology: str, config: Config, out: Path, reference: list[dict | None], kill_at: int = 3) -> dict:
+    """SIGKILL between steps ``kill_at`` and ``kill_at + 1`` (a checkpoint after every step), then a resume from
+    the last checkpoint; the resumed run must end as the uninterrupted fault-free one did."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    base = out / "runs" / config.name.replace("/", "-") / "kill"
+    killed = Job(config, Fault("kill"), "cell", str(base), kill_at=kill_at, save_every=1)
+    scratch = out / "scratch"
+    if topology == "one":
+        code, _ = run_single(killed, scratch)
+        died = code == -signal.SIGKILL
+    else:
+        died = any(r is None for r in run_ranked([killed], scratch, timeout_s=600).get(killed.key, [None]))
+    checkpoint = get_last_checkpoint(str(base))
+    verdict = {"key": killed.key, "config": config.name, "fault": "kill", "run": "resumed", "at": kill_at,
+               "killed": died, "checkpoint": Path(checkpoint).name if checkpoint else None}  # fmt: skip
+    if checkpoint is None:
+        return {**verdict, "survived": False}
+    resumed = Job(config, Fault("kill", run="resumed"), "cell", str(base) + "-resumed", resume=checkpoint)
+    if topology == "one":
+        _, result = run_single(resumed, scratch)
+        ranks = [result]
+    else:
+        ranks = run_ranked([resumed], scratch, timeout_s=600).get(resumed.key, [None, None])
+    survived = all(r is not None and r["steps"] == STEPS for r in ranks)
+    verdict["survived"] = survived and died
+    if survived:
+        tail = kill_at * ACCUMULATION
+        exact = all(
+            r["losses"] == ref["losses"][tail:] and r["parameters"] == ref["parameters"]
+            for r, ref in zip(ranks, reference, strict=True)
+        )
+        same = all(r["collectives"] == ranks[0]["collectives"] for r in ranks)
+        detached = all(not r["leftovers"] for r in ranks)
+        verdict.update(identical=exact, resumed_exactly=exact, detached=detached, warned=True, same_collectives=same)
+    return verdict
+
+
+def run_topology(
+    topology: str,
+    out: Path,
+    quick: bool,
+    only: tuple[str, ...] | None,
+    log: Callable[[str], None],
+    kill: bool = True,
+    timings: tuple[str, ...] = ("before", "after"),
+    subsets: tuple[str, ...] = ("last", "first", "all"),
+) -> list[dict]:
+    """Every configuration of ``topology``: its fault-free runs, then its cells (the first configuration with every
+    one of ``timings`` and failing ``subsets``, the others raising before the body on the last rank)."""
+    scratch = out / "scratch"
+    runner = run_alone if topology == "one" else run_ranked
+    verdicts: list[dict] = []
+    for index, config in enumerate(configs(topology, quick)):
+        refs = references(topology, config, out)
+        done = runner(refs, scratch)
+        missing = [job.key for job in refs if any(r is None for r in done.get(job.key, [None]))]
+        if missing:
+            log(f"{config.name}: fault-free runs failed: {missing}")
+            verdicts.append({"config": config.name, "fault": "fault-free runs", "survived": False})
+            continue
+        results = {job.fault.run if job.role == "reference" else "plain": done[job.key] for job in refs}
+        runs = ("fresh", "resumed", "rescued")
+        counts = {run: [r["entry_calls"] for r in results[run]] for run in runs if run in results}
+        moved = [r["bytes_moved"] for r in results["fresh"]]
+        first = index == 0
+        jobs, unreached = cells(config, counts, out, timings if first else ("before",), only,
+                                subsets if first else ("last",))  # fmt: skip
+        log(f"{config.name}: fault-free moved {moved} bytes; {len(jobs)} cells; not reached: {unreached}")
+        outcome = runner(jobs, scratch)
+        for job in jobs:
+            ranks = outcome.get(job.key, [None] * (1 if topology == "one" else 2))
+            verdict = judge(job, ranks, results[job.fault.run], results["plain"])
+            verdict["topology"] = topology
+            if not verdict["survived"]:
+                verdict["output"] = outcome.get(job.key + " output")
+            verdicts.append(verdict)
+        for where in unreached:
+            verdicts.append(
+                {"config": config.name, "topology": topology, "fault": f"entry: {where}", "unreached": True}
+            )
+        if kill and (index == 0 or topology == "one"):
+            verdict = kill_cells(topology, config, out, results["fresh"])
+            verdict["topology"] = topology
+            verdicts.append(verdict)
+        bad = [v["key"] for v in verdicts[-len(jobs) - 1 :] if not all(v.get(k, True) for k in CHECKS)]
+        log(f"{config.name}: {len(jobs)} cells judged; not all checks held: {bad}")
+    return verdicts
+
+
+CHECKS = ("survived", "identical", "warned", "detached", "same_collectives", "raised", "plain_identical")
+
+
+def table(verdicts: list[dict]) -> str:
+    """One row per fault and topology: cells injected, and how many passed each check."""
+    rows: dict[tuple[str, str], dict[str, int]] = {}
+    for v in verdicts:
+        if v.get("unreached"):
+            continue
+        fault = v["fault"]
+        row = rows.setdefault((fault, v.get("topology", "?")), dict.fromkeys(("cells", *CHECKS, "resumed"), 0))
+        row["cells"] += 1
+        for check in CHECKS:
+            row[check] += int(bool(v.get(check, check in ("raised", "plain_identical") or v.get("survived"))))
+        row["resumed"] += int(bool(v.get("resumed_exactly")))
+    columns = ("fault", "topology", "injected", "survived", "identical", "warned", "detached", "same collectives")
+    lines = ["| " + " | ".join((*columns, "resumed exactly")) + " |", "|---" * (len(columns) + 1) + "|"]
+    totals = dict.fromkeys(("cells", "survived", "identical", "warned", "detached", "same_collectives", "resumed"), 0)
+    for (fault, topology), row in sorted(rows.items(), key=lambda item: (item[0][0].split(":")[0], item[0])):
+        resumed = str(row["resumed"]) if fault == "kill" else "-"
+        lines.append(
+            f"| {fault} | {topology} | {row['cells']} | {row['survived']} | {row['identical']} | {row['warned']} | "
+            f"{row['detached']} | {row['same_collectives']} | {resumed} |"
+        )
+        for key in totals:
+            totals[key] += row[key]
+    lines.append(
+        f"| **all** | | {totals['cells']} | {totals['survived']} | {totals['identical']} | {totals['warned']} | "
+        f"{totals['detached']} | {totals['same_collectives']} | {totals['resumed']} |"
+    )
+    return "\n".join(lines)
+
+
+def summary(verdicts: list[dict]) -> str:
+    """Per kind of fault and topology: cells injected / survived with identical results and every check held."""
+    kinds = {"entry": "an exception at an entry point", "probe": "the memory probe", "host": "host memory",
+             "kill": "SIGKILL between steps, resumed"}  # fmt: skip
+    topologies = [t for t in TOPOLOGIES if any(v.get("topology") == t for v in verdicts)]
+    lines = ["| fault | " + " | ".join(topologies) + " |", "|---" * (len(topologies) + 1) + "|"]
+    for kind, name in kinds.items():
+        cells = []
+        for topology in topologies:
+            mine = [v for v in verdicts if v.get("topology") == topology and v.get("fault", "").split(":")[0] == kind]
+            mine = [v for v in mine if not v.get("unreached")]
+            held = sum(all(v.get(k, True) for k in CHECKS) for v in mine)
+            cells.append(f"{held} of {len(mine)}" if mine else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true", help="one configuration per topology")
+    parser.add_argument("--topology", nargs="+", choices=TOPOLOGIES, default=list(TOPOLOGIES))
+    parser.add_argument("--only", nargs="+", help="these entry points and faults (names as in the table)")
+    parser.add_argument("--no-kill", action="store_true", help="leave out the SIGKILL cells")
+    parser.add_argument("--work", type=Path, help="where the runs' checkpoints go (default: a temporary folder)")
+    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--job", nargs=2, type=Path, help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if options.worker:
+        worker(*options.worker)
+        return 0
+    if options.job:
+        result = run_job(Job.from_json(json.loads(options.job[0].read_text())))
+        options.job[1].write_text(json.dumps(result))
+        return 0
+    if options.out is None:
+        parser.error("--out is required")
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = options.work or Path(tempfile.mkdtemp(prefix="autooffload-faults-"))
+    started = time.time()
+
+    def log(line: str) -> None:
+        print(f"[{time.time() - started:7.0f} s] {line}", flush=True)
+
+    verdicts: list[dict] = []
+    only = tuple(options.only) if options.only else None
+    for topology in options.topology:
+        if topology == "zero3" and not deepspeed_available():
+            log("zero3: DeepSpeed is not installed; skipped")
+            continue
+        verdicts += run_topology(topology, work, options.quick, only, log, kill=not options.no_kill)
+        write(out, verdicts, options, time.time() - started)
+    if options.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    print(table(verdicts))
+    return 0 if all(all(v.get(k, True) for k in CHECKS) for v in verdicts if not v.get("unreached")) else 1
+
+
+def deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def write(out: Path, verdicts: list[dict], options: argparse.Namespace, seconds: float) -> None:
+    import transformers
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/faults.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), no GPU"
+        if not torch.cuda.is_available()
+        else "cuda",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "seconds": round(seconds),
+        "entry_points": sorted(entry_points()),
+    }
+    (out / "faults.json").write_text(json.dumps({**meta, "cells": verdicts}, indent=1))
+    (out / "faults.md").write_text(
+        f"# Fault matrix, {meta['date']}\n\n`{meta['command']}` ({meta['machine']}; torch {meta['torch']}, "
+        f"transformers {meta['transformers']}; {meta['seconds']} s)\n\nCells where every check held:\n\n"
+        f"{summary(verdicts)}\n\nEvery fault:\n\n{table(verdicts)}\n"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
