@@ -161,6 +161,7 @@ class CheckpointSwitch:
                 self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
+        self._functions: list[Callable[..., Any] | None] = [None] * len(self.layers)  # installed, per position
         self.offloaded = -1
         self.kept = 0
         self.measuring = False
@@ -194,6 +195,9 @@ class CheckpointSwitch:
             else:
                 plain = self._plain_measured[position] if measure else self._plain_layer[position]
                 function = self._offload[position] if position in offloading else plain
+            if self._functions[position] is function:
+                continue
+            self._functions[position] = function
             calls = self._calls.get(id(slot.target))
             if calls is not None:
                 calls.functions[slot.index] = function
@@ -308,6 +312,7 @@ class CheckpointSwitch:
         for target in self.targets:
             setattr(target.module, target.attribute, target.original)
         self.offloaded, self.kept, self.measuring = -1, 0, False
+        self._functions = [None] * len(self.layers)
 
 
 def install_plain(model: torch.nn.Module) -> None:
