@@ -251,6 +251,7 @@ class OffloadController(Run):
     def _close_micro_batch(self) -> None:
         if self.switch is not None:
             self.sizes.close_micro_batch(self.switch.forward.take_counts())
+            self.record.ran(len(self.switch.layers))
 
     @guarded("rescue", False)
     def rescue(self, tried_bytes: int | None = None) -> bool:
@@ -281,7 +282,8 @@ class OffloadController(Run):
         """Close an optimizer step: bytes moved, memory reading, what the plans learn, the step's record."""
         self._close_micro_batch()
         rescued = self.memory.rescuing
-        self.sizes.end_step(self.record.close_step(), measure=not rescued)
+        moved = self.record.close_step()  # what fell short says nothing of a layer input's bytes
+        self.sizes.end_step(moved, measure=not rescued and not self.record.last_step_short_bytes)
         peak = self.memory.end_step()
         self.planner.end_step(peak, clean=self.memory.last.clean and not rescued)
         self.host.end_step()

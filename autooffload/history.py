@@ -17,6 +17,10 @@ A record (one JSON object per line, keys in this order):
 - ``kept``: with ``AUTOOFFLOAD_RECOMPUTE=auto``, one entry per micro-batch: the checkpointed layers that ran
   without checkpointing (kept, not recomputed); ``null`` with ``always``.
 - ``bytes_moved``: bytes the offload hooks moved to host memory in the step (a rescued step: both attempts).
+- ``short_bytes``: bytes the step's offloaded layers were to move but kept on the device, for want of host
+  memory (the budget full, the host short, an allocation failed); 0 when everything planned moved. A
+  micro-batch that fell short counts in ``offloaded`` only the layers that moved everything, with the reason
+  ``host_short``.
 - ``switches``: changes of level in the step; ``rescued``: the step ran out of memory and was rerun.
 - ``memory_fraction``, ``memory_bytes``, ``total_bytes``: the reading at the end of the step (``null``
   without one).
@@ -48,6 +52,7 @@ REASONS = {
     "policy_failed": "the policy raised: plain checkpointing",
     "rank_agreement": "another rank asked for more: the ranks run their maximum",
     "host_cap": "capped at what the host memory budget (AUTOOFFLOAD_HOST_MEMORY) holds",
+    "host_short": "fewer layers moved than planned: host memory (the budget, the host, an allocation) took no more",
     "seq_high": "sequence length >= seq_high",
     "memory_high": "last reading >= memory_high",
     "above_low": "on, and a signal is still at or above its low threshold (hysteresis holds)",
@@ -75,6 +80,7 @@ class StepRecord:
     reasons: list[str]
     kept: list[int] | None
     bytes_moved: int
+    short_bytes: int
     switches: int
     rescued: bool
     memory_fraction: float | None
@@ -122,6 +128,12 @@ class HistoryRecorder:
         if predicted is not None:
             self._predicted = max(self._predicted or 0.0, predicted)
 
+    def fell_short(self, offloaded: int) -> None:
+        """The last micro-batch ran: only ``offloaded`` of its layers moved their inputs (host memory was short)."""
+        if self._micro_batches:
+            seq, tokens, _, _ = self._micro_batches[-1]
+            self._micro_batches[-1] = (seq, tokens, offloaded, "host_short")
+
     def rescue(self) -> None:
         """The step is rerun from its first micro-batch: forget the failed attempt's micro-batches."""
         self._micro_batches.clear()
@@ -130,14 +142,15 @@ class HistoryRecorder:
     def end_step(
         self,
         step: int,
-        bytes_moved: int,
+        moved: tuple[int, int],
         rescued: bool,
         memory: tuple[float | None, int | None, int | None],
         layers: int,
         settings: Any,
     ) -> StepRecord:
-        """Close step ``step`` (counted as Trainer counts ``global_step``): ``memory`` is the reading (fraction,
-        bytes, device bytes), ``settings`` what the decisions were made against."""
+        """Close step ``step`` (counted as Trainer counts ``global_step``): ``moved``, the bytes moved and kept
+        short; ``memory``, the reading (fraction, bytes, device bytes); ``settings``, what the decisions were
+        made against."""
         shapes = self._micro_batches
         fraction, used, total = memory
         record = StepRecord(
@@ -147,7 +160,8 @@ class HistoryRecorder:
             offloaded=[level for *_, level, _ in shapes],
             reasons=[reason for *_, reason in shapes],  # type: ignore[misc]
             kept=list(self._kept) if settings.recompute == "auto" else None,
-            bytes_moved=int(bytes_moved),
+            bytes_moved=int(moved[0]),
+            short_bytes=int(moved[1]),
             switches=self._switches,
             rescued=bool(rescued),
             memory_fraction=fraction,

@@ -6,11 +6,15 @@ rounded up to a 4 KiB page, then pinned with ``cudaHostRegister`` (what torch's 
 releasing one unregisters it and unmaps it, so the memory goes back to the operating system.
 
 - **Reuse.** A buffer given back waits in a free list (per device, so only copies on that device's stream
-  ever touch it, in order) and serves the next request it fits, the smallest first.
+  ever touch it, in order) and serves the next request it fits snugly (at most ``SLACK`` times the request),
+  the smallest first. A larger one is lent only where no new buffer can be had: after a long micro-batch,
+  short ones would otherwise borrow its large buffers one input each, and the budget would be spent on a
+  few of their inputs while the rest stayed on the device.
 - **Budget.** The bytes held (in use and free) never exceed ``budget_bytes``: a request that would is
-  first met by releasing free buffers (all smaller than it, or one would have served it), and refused if
-  that is not enough; the caller keeps that tensor on the device. The controller plans under the same
-  budget, so a refusal is the exception (a first guess of the layer size that was too small).
+  first met by releasing free buffers (the oversized ones first, largest first, then the smaller ones), and
+  refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
+  :class:`~autooffload.apply.offload.OffloadStats` counts it). The controller plans under the same budget, so
+  a refusal is the exception (a first guess of the layer size that was too small).
 - **Host free memory.** A new buffer is taken only while the host keeps ``min_free`` of its memory free
   after it. Buffers already held are reused without asking: they are not free memory, but they are ours.
 - **Release.** A free buffer unused for ``release_after`` optimizer steps is released (offload off for a
@@ -38,6 +42,7 @@ from ..warn import WarnOnce
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 4
+SLACK = 2  # a free buffer serves a request of at least 1 / SLACK of its size
 
 
 def host_memory() -> tuple[int, int]:
@@ -126,6 +131,10 @@ def cuda_drain(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _size(buffer: HostBuffer) -> int:
+    return buffer.nbytes
+
+
 def _pinning_available() -> bool:
     return torch.cuda.is_available()
 
@@ -184,18 +193,33 @@ class HostMemory:
         self.warn = WarnOnce()
 
     def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
-        """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short."""
+        """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short.
+
+        A free buffer serves a request it fits snugly (at most ``SLACK`` times the request); a larger one is lent
+        only where no new buffer can be had (the host is short, or allocating failed): lent to a short
+        micro-batch's small input, a long one's buffer would hold the budget that its other inputs need. Room
+        under the budget is made by releasing free buffers, the oversized ones first."""
         with self._lock:
             free = self._free.get(device, [])
-            fits = [buffer for buffer in free if buffer.nbytes >= nbytes]
-            if fits:
-                buffer = min(fits, key=lambda b: b.nbytes)
-                free.remove(buffer)
-                buffer.last_step = self.step
-                return buffer
             size = page_round(nbytes)
+            fits = sorted((b for b in free if b.nbytes >= nbytes), key=lambda b: b.nbytes)
+            if fits and fits[0].nbytes <= SLACK * size:
+                return self._lend(fits[0])
+            available, total = self.memory()
+            if available - size < self.min_free * total:
+                if fits:
+                    return self._lend(fits[0])  # not free memory, but ours to hand out
+                self.warn(
+                    "host-short",
+                    f"host memory is short ({available / 2**30:.1f} GiB available of {total / 2**30:.1f} GiB, "
+                    f"{self.min_free:.0%} is kept free); saved inputs that do not fit in the host buffers "
+                    "already held stay on the device",
+                )
+                return None
             if self.budget_bytes is not None and self.held_bytes + size > self.budget_bytes:
-                self._release([b for bs in self._free.values() for b in sorted(bs, key=lambda b: b.nbytes)], size)
+                smaller = sorted((b for bs in self._free.values() for b in bs if b.nbytes < nbytes), key=_size)
+                oversized = sorted((b for bs in self._free.values() for b in bs if b.nbytes >= nbytes), key=_size)
+                self._release([*reversed(oversized), *smaller], size)
             if self.budget_bytes is not None and self.held_bytes + size > self.budget_bytes:
                 self.warn(
                     "host-budget",
@@ -204,16 +228,15 @@ class HostMemory:
                     "that do not fit stay on the device",
                 )
                 return None
-            available, total = self.memory()
-            if available - size < self.min_free * total:
-                self.warn(
-                    "host-short",
-                    f"host memory is short ({available / 2**30:.1f} GiB available of {total / 2**30:.1f} GiB, "
-                    f"{self.min_free:.0%} is kept free); saved inputs that do not fit in the host buffers "
-                    "already held stay on the device",
-                )
-                return None
-            return self._new(size, device)
+            buffer = self._new(size, device)
+            if buffer is None and fits and fits[0] in free:
+                return self._lend(fits[0])
+            return buffer
+
+    def _lend(self, buffer: HostBuffer) -> HostBuffer:
+        self._free[buffer.device].remove(buffer)
+        buffer.last_step = self.step
+        return buffer
 
     def set_budget(self, setting: str) -> None:
         """This process's share of the node's budget (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``), unless one is set."""

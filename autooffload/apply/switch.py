@@ -58,6 +58,12 @@ def _plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | N
     return checkpoint_plain
 
 
+@torch.compiler.disable
+def _packing(stats: OffloadStats, position: int) -> None:
+    """The engine's hooks run for layer ``position`` next: an input it cannot move is that layer's."""
+    stats.layer = position
+
+
 def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
     def checkpoint_layer_call(function, *args, **call_kwargs):
         return calls.next()(function, *args, **call_kwargs)
@@ -66,7 +72,12 @@ def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
 
 
 def _offload_function(
-    kwargs: dict[str, Any], engine: OffloadEngine, last: bool, forward: ForwardState, position: int
+    kwargs: dict[str, Any],
+    engine: OffloadEngine,
+    last: bool,
+    forward: ForwardState,
+    position: int,
+    stats: OffloadStats,
 ) -> Callable[..., Any]:
     counted = forward.counter(position)
 
@@ -75,6 +86,7 @@ def _offload_function(
         layer_input = forward.claim(args)
         if layer_input is None:
             return checkpoint(function, *args, **kwargs, **call_kwargs)
+        _packing(stats, position)
         with engine.hooks(last, layer_input):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
@@ -127,7 +139,9 @@ class CheckpointSwitch:
             for i, s in enumerate(self.layers)
         ]
         self._offload = [
-            self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i), s.target)
+            self._tag(
+                _offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i, stats), s.target
+            )
             for i, s in enumerate(self.layers)
         ]
         self.forward.on_first_call = self._first_call
