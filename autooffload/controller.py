@@ -97,9 +97,10 @@ class OffloadController(Run):
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
         logger.info(
             "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, "
-            "host memory budget %.1f MiB for this rank (AUTOOFFLOAD_HOST_MEMORY=%s over %d rank(s) of the node)",
+            "host memory budget %.1f MiB for this rank (AUTOOFFLOAD_HOST_MEMORY=%s over %d rank(s) of the node, "
+            "set by %s)",
             len(self.switch.layers), self.settings.mode, probe, self.planner.compiled,
-            self.host.budget_bytes / 2**20, self.settings.host_memory, ranks_per_node(),
+            self.host.budget_bytes / 2**20, self.settings.host_memory, ranks_per_node(), self.host.budget_source,
         )  # fmt: skip
         return True
 

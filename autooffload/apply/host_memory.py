@@ -15,8 +15,11 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
   :class:`~autooffload.apply.offload.OffloadStats` counts it). The controller plans under the same budget, so
   a refusal is the exception (a first guess of the layer size that was too small).
-- **Host free memory.** A new buffer is taken only while the host keeps ``min_free`` of its memory free
-  after it. Buffers already held are reused without asking: they are not free memory, but they are ours.
+- **Host free memory.** A new buffer is taken only while ``min_free`` of the memory under the tightest limit on
+  this process stays free after it: the machine's, a container's (cgroup v2 ``memory.max``/``memory.high``, v1
+  ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
+  (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
+  already held are reused without asking: they are not free memory, but they are ours.
 - **Release.** A free buffer unused for ``release_after`` optimizer steps is released (offload off for a
   while, or sizes that no longer come), and so is every buffer when the manager itself goes. Before a
   release each device whose buffers go is drained once (all its streams), so no copy still in flight
@@ -37,24 +40,13 @@ from collections.abc import Callable
 
 import torch
 
+from ..observe.host_limits import Limit, host_memory, machine_memory, read_limits, tightest
 from ..settings import PAGE, parse_host_memory
 from ..warn import WarnOnce
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 4
 SLACK = 2  # a free buffer serves a request of at least 1 / SLACK of its size
-
-
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory, from psutil, or /proc/meminfo where psutil is missing."""
-    try:
-        import psutil
-    except ImportError:
-        with open("/proc/meminfo") as meminfo:
-            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
-        return fields["MemAvailable"], fields["MemTotal"]
-    memory = psutil.virtual_memory()
-    return int(memory.available), int(memory.total)
 
 
 LOCAL_SIZE_VARIABLES = (
@@ -77,16 +69,34 @@ def ranks_per_node() -> int:
     return 1
 
 
-def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = host_memory) -> int:
+def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = machine_memory) -> int:
     """Bytes of host memory the whole node may hold for offload, from ``AUTOOFFLOAD_HOST_MEMORY``.
 
-    A fraction is of total RAM; ``auto`` is half of what is available now (at start).
+    A fraction is of ``memory()``'s total; ``auto`` is half of what is available now (at start).
     """
     kind, value = parse_host_memory(setting)
     if kind == "bytes":
         return int(value)
     available, total = memory()
     return int(value * (available if kind == "auto" else total))
+
+
+def process_budget(setting: str, limits: list[Limit], ranks: int) -> tuple[int, str]:
+    """This process's share of host memory for offload, and the limit that set it.
+
+    The machine's and a container's limits are the node's, shared by its ``ranks``: the node's budget over them.
+    A process limit (``RLIMIT_AS``, ``RLIMIT_DATA``) is this process's own: the setting applies to it whole. A
+    size given in bytes is the node's as given (each new buffer is still checked against every limit).
+    """
+    kind, _ = parse_host_memory(setting)
+    if kind == "bytes":
+        return node_budget(setting) // ranks, "AUTOOFFLOAD_HOST_MEMORY"
+    candidates = []
+    for group, share in (([x for x in limits if x.shared], ranks), ([x for x in limits if not x.shared], 1)):
+        if group:
+            binding = tightest(group) if kind == "auto" else min(group, key=lambda x: x.total)
+            candidates.append((node_budget(setting, lambda b=binding: (b.available, b.total)) // share, binding.name))
+    return min(candidates)
 
 
 def page_round(nbytes: int) -> int:
@@ -159,7 +169,8 @@ class HostMemory:
     ``budget_bytes``: this process's share; None until the controller sets it (no limit meanwhile).
     ``pin``: pin buffers (default: where CUDA is available). The functions are the hardware surface, and
     what tests replace: ``allocate(nbytes)`` a pageable buffer, ``register``/``unregister`` pin and unpin it
-    in place, ``drain(device)`` waits for that device before a release, ``memory()`` reads (available, total).
+    in place, ``drain(device)`` waits for that device before a release, ``memory()`` reads (available, total) under the
+    tightest limit, ``limits()`` every limit that applies (:mod:`autooffload.observe.host_limits`).
     """
 
     def __init__(
@@ -172,6 +183,7 @@ class HostMemory:
         unregister: Callable[[torch.Tensor], None] = cuda_unregister,
         drain: Callable[[torch.device], None] = cuda_drain,
         memory: Callable[[], tuple[int, int]] = host_memory,
+        limits: Callable[[], list[Limit]] = read_limits,
         min_free: float = MIN_FREE,
         release_after: int = RELEASE_AFTER_STEPS,
     ) -> None:
@@ -179,6 +191,8 @@ class HostMemory:
         self.pin = _pinning_available() if pin is None else pin
         self.allocate, self.register, self.unregister, self.drain = allocate, register, unregister, drain
         self.memory = memory
+        self.limits = limits
+        self.budget_source = "the caller"  # what set budget_bytes: a limit's name, or the setting
         self.min_free = min_free
         self.release_after = release_after
         self.pinning_failed = False
@@ -239,9 +253,10 @@ class HostMemory:
         return buffer
 
     def set_budget(self, setting: str) -> None:
-        """This process's share of the node's budget (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``), unless one is set."""
+        """This process's share of host memory for offload (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``) under every
+        limit that applies (:func:`process_budget`), unless a budget is set."""
         if self.budget_bytes is None:
-            self.budget_bytes = node_budget(setting) // ranks_per_node()
+            self.budget_bytes, self.budget_source = process_budget(setting, self.limits(), ranks_per_node())
 
     def give(self, buffer: HostBuffer) -> None:
         """Return a buffer; only later copies on its device's stream may touch it (the caller's rule)."""
