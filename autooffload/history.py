@@ -36,9 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .settings import shown
 
 HISTORY_DIR = "autooffload"
 PENDING_LIMIT = 10_000
@@ -234,11 +239,16 @@ def _step_of(line: str) -> int | None:
 
 
 REQUIRED = {"step": int, "seq_lens": list, "tokens": list, "offloaded": list, "bytes_moved": int}
+LARGEST = 2**63  # no count or size in a history is larger; one that is cannot be drawn (floats overflow)
 
 
-def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_history(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of a history file, in order. :class:`HistoryError` (one line) when the file is missing,
-    empty, or a line is not a step record."""
+    empty, or a line is not a step record, or holds a number out of range.
+
+    A last line cut short (no newline at its end, not JSON: a crash while the file was being appended to) is
+    skipped, and ``warn`` (default: :func:`warnings.warn`) hears one line about it: the steps before it are whole.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -247,16 +257,23 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as error:
         raise HistoryError(f"cannot read {path}: {error}") from None
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
+            if number == len(lines) and not text.endswith("\n"):
+                (warn or warnings.warn)(f"{path}, line {number}: cut short (a crash while writing?); skipped")
+                continue
             raise HistoryError(f"{path}, line {number}: not JSON") from None
         missing = [key for key, kind in REQUIRED.items() if not isinstance(record, dict) or not _is(record, key, kind)]
         if missing:
             raise HistoryError(f"{path}, line {number}: not a step record (missing or bad {', '.join(missing)})")
+        bad = _out_of_range(record)
+        if bad is not None:
+            raise HistoryError(f"{path}, line {number}: {bad[0]}={shown(bad[1])} is out of range")
         records.append(record)
     if not records:
         raise HistoryError(f"{path} holds no records")
@@ -266,3 +283,14 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
 def _is(record: dict[str, Any], key: str, kind: type) -> bool:
     value = record.get(key)
     return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _out_of_range(record: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first key holding a number no history holds (an integer beyond 2**63, an infinite float), and it."""
+    for key, value in record.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, bool):
+                continue
+            if (isinstance(item, int) and abs(item) > LARGEST) or (isinstance(item, float) and math.isinf(item)):
+                return key, item
+    return None
