@@ -202,6 +202,7 @@ class OffloadController(Run):
             rescuing=self.memory.rescuing,
         )  # decide  # fmt: skip
         self._install(plan.level, plan.keep, plan.measure, sized.order)  # apply
+        self.host.expect(sized.layer_bytes[: plan.level] if sized.layer_bytes else ())
         self.sizes.start(self.switch.offloading, sized)
         host, layers = (self.host.budget_bytes, self.settings.host_memory), len(self.switch.layers)
         self.record.micro_batch(seq_len, tokens, plan, before[0], self.switch.kept, layers, host)

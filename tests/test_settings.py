@@ -129,7 +129,8 @@ def test_a_negative_zero_is_not_a_documented_zero():
         Settings.from_env({"AUTOOFFLOAD_MEMORY_LOW": "-0"})
     with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_SEQ_LOW=-0 is not allowed: expected an integer >= 0"):
         Settings.from_env({"AUTOOFFLOAD_SEQ_LOW": "-0"})
-    s = Settings.from_env({"AUTOOFFLOAD_MEMORY_LOW": " 0 ", "AUTOOFFLOAD_SEQ_LOW": "00", "AUTOOFFLOAD_MEMORY_HIGH": ".9"})
+    env = {"AUTOOFFLOAD_MEMORY_LOW": " 0 ", "AUTOOFFLOAD_SEQ_LOW": "00", "AUTOOFFLOAD_MEMORY_HIGH": ".9"}
+    s = Settings.from_env(env)
     assert (s.memory_low, s.seq_low, s.memory_high) == (0.0, 0, 0.9)
     assert str(s.memory_low) == "0.0"
 

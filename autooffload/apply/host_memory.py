@@ -7,9 +7,10 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
 
 - **Reuse.** A buffer given back waits in a free list (per device, so only copies on that device's stream
   ever touch it, in order) and serves the next request it fits snugly (at most ``SLACK`` times the request),
-  the smallest first. A larger one is lent only where no new buffer can be had: after a long micro-batch,
-  short ones would otherwise borrow its large buffers one input each, and the budget would be spent on a
-  few of their inputs while the rest stayed on the device.
+  the smallest first, where the budget holds it beside what the micro-batch still expects to ask for (the
+  controller says, :meth:`HostMemory.expect`). A larger one is lent only where no new buffer can be had: after
+  a long micro-batch, short ones would otherwise borrow its large buffers one input each, and the budget would
+  be spent on a few of their inputs while the rest stayed on the device.
 - **Budget.** The bytes held (in use and free) never exceed ``budget_bytes``: a request that would is
   first met by releasing free buffers (the oversized ones first, largest first, then the smaller ones), and
   refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
@@ -36,7 +37,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -197,6 +198,8 @@ class HostMemory:
         self.release_after = release_after
         self.pinning_failed = False
         self.held_bytes = 0
+        self.lent_bytes = 0  # held bytes on loan (the rest are free)
+        self._expected = 0  # bytes the running micro-batch is still expected to ask for (expect)
         self.pinned_bytes = 0
         self.peak_held_bytes = 0
         self.allocations = 0
@@ -206,18 +209,29 @@ class HostMemory:
         self._lock = threading.RLock()  # give() runs from finalizers, possibly inside take() on this thread
         self.warn = WarnOnce()
 
+    def expect(self, sizes: Iterable[int]) -> None:
+        """The micro-batch about to run will ask for buffers of these sizes (its planned layers' inputs, which the
+        controller capped at what the budget holds): a free buffer larger than a request is lent only where the
+        rest of them still fit beside it."""
+        with self._lock:
+            self._expected = sum(page_round(n) for n in sizes)
+
     def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
         """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short.
 
-        A free buffer serves a request it fits snugly (at most ``SLACK`` times the request); a larger one is lent
-        only where no new buffer can be had (the host is short, or allocating failed): lent to a short
-        micro-batch's small input, a long one's buffer would hold the budget that its other inputs need. Room
-        under the budget is made by releasing free buffers, the oversized ones first."""
+        A free buffer serves a request it fits snugly (at most ``SLACK`` times the request) where the budget holds
+        it and what the micro-batch still expects (:meth:`expect`); a larger one is lent only where no new buffer
+        can be had (the host is short, or allocating failed): lent to a short micro-batch's small input, a long
+        one's buffer would hold the budget its other inputs need. Room under the budget is made by releasing free
+        buffers, the oversized ones first."""
         with self._lock:
-            free = self._free.get(device, [])
             size = page_round(nbytes)
+            expected, self._expected = max(self._expected - size, 0), max(self._expected - size, 0)
+            free = self._free.get(device, [])
             fits = sorted((b for b in free if b.nbytes >= nbytes), key=lambda b: b.nbytes)
-            if fits and fits[0].nbytes <= SLACK * size:
+            budget = self.budget_bytes
+            snug = fits and fits[0].nbytes <= SLACK * size
+            if snug and (budget is None or self.lent_bytes + fits[0].nbytes + expected <= budget):
                 return self._lend(fits[0])
             available, total = self.memory()
             if available - size < self.min_free * total:
@@ -230,14 +244,14 @@ class HostMemory:
                     "already held stay on the device",
                 )
                 return None
-            if self.budget_bytes is not None and self.held_bytes + size > self.budget_bytes:
+            if budget is not None and self.held_bytes + size > budget:
                 smaller = sorted((b for bs in self._free.values() for b in bs if b.nbytes < nbytes), key=_size)
                 oversized = sorted((b for bs in self._free.values() for b in bs if b.nbytes >= nbytes), key=_size)
                 self._release([*reversed(oversized), *smaller], size)
-            if self.budget_bytes is not None and self.held_bytes + size > self.budget_bytes:
+            if budget is not None and self.held_bytes + size > budget:
                 self.warn(
                     "host-budget",
-                    f"the host memory budget ({self.budget_bytes / 2**20:.1f} MiB for this process, "
+                    f"the host memory budget ({budget / 2**20:.1f} MiB for this process, "
                     f"AUTOOFFLOAD_HOST_MEMORY) is full ({self.held_bytes / 2**20:.1f} MiB held); saved inputs "
                     "that do not fit stay on the device",
                 )
@@ -250,6 +264,7 @@ class HostMemory:
     def _lend(self, buffer: HostBuffer) -> HostBuffer:
         self._free[buffer.device].remove(buffer)
         buffer.last_step = self.step
+        self.lent_bytes += buffer.nbytes
         return buffer
 
     def set_budget(self, setting: str) -> None:
@@ -262,6 +277,7 @@ class HostMemory:
         """Return a buffer; only later copies on its device's stream may touch it (the caller's rule)."""
         with self._lock:
             buffer.last_step = self.step
+            self.lent_bytes -= buffer.nbytes
             self._free.setdefault(buffer.device, []).append(buffer)
 
     def end_step(self) -> None:
@@ -295,6 +311,7 @@ class HostMemory:
         buffer = HostBuffer(tensor, pinned, device, self.step)
         self.allocations += 1
         self.held_bytes += size
+        self.lent_bytes += size
         self.pinned_bytes += size if pinned else 0
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         return buffer
