@@ -305,6 +305,15 @@ def test_a_miss_of_a_long_micro_batch_that_kept_nothing_is_not_charged_to_a_shor
     plan.end_step(14_000.0)
     assert plan.corrections == {} and plan.misses == 0
     assert plan.count(5000, 100, 100, 20_000, 0) == 4
+    # A long micro-batch that offloads is planned without an all-recompute peak of its own (the policy sized its
+    # offload): it may be the one at the peak, so a miss is not the short one's either, and the policy learns from
+    # the whole reading (nothing subtracted for the short one's kept layers).
+    plan.forward(1000, 1000, 0, None)
+    plan.backward()
+    plan.forward(100, 100, 4, 5000.0)
+    plan.backward()
+    plan.end_step(14_000.0)
+    assert plan.corrections == {} and plan.misses == 0 and plan.reading_kept_bytes == 0
     # Where the short one kept and was the one predicted at the peak, its miss is its own.
     two_micro_batches(plan, long_plain=5000.0, short_plain=8000.0, short_keep=4)
     plan.end_step(14_000.0)

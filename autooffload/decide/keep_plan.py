@@ -40,6 +40,7 @@ Pure: no torch, no clock, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from . import ladder
@@ -206,28 +207,31 @@ class KeepPlanner:
         if reading is not None and groups:
             self.longest_read_tokens = max(self.longest_read_tokens, max(f.tokens for g in groups for f in g))
         predicted = [(self._predicted(g), g) for g in groups]
-        predicted = [(total, g) for total, g in predicted if total is not None]
         if reading is not None and clean and predicted:
-            tested = self._compare(reading, predicted)
-            self._age_corrections(tested)
-        peak = max(predicted, key=lambda entry: entry[0], default=None)
-        self.reading_kept_bytes = self._kept_now(peak[1]) if peak is not None else 0.0
+            self._age_corrections(self._compare(reading, predicted))
+        # The forwards the plan expected at the peak; one planned without a prediction (an offloading or a longer
+        # micro-batch than any reading covered) may hold it: then what the kept ones added is not subtracted.
+        peak = max(predicted, key=_highest, default=None)
+        self.reading_kept_bytes = self._kept_now(peak[1]) if peak is not None and peak[0] is not None else 0.0
 
     @staticmethod
     def _predicted(group: list[Forward]) -> float | None:
         plains = [f.plain for f in group if f.plain is not None]
         return max(plains) + sum(f.kept_bytes for f in group) if plains else None
 
-    def _compare(self, reading: float, predicted: list[tuple[float, list[Forward]]]) -> set[int]:
+    def _compare(self, reading: float, predicted: list[tuple[float | None, list[Forward]]]) -> set[int]:
         """Compare a clean reading with the plan of a step; returns the corrections it tested (those reaching the
         tokens of a forward that kept). The reading is at least the peak of every group of forwards alive together:
-        a miss is the group's the plan predicted highest; without one, each group that kept shows at most what
-        its kept forwards needed, and the corrections reaching it ease towards that."""
+        a miss is the group's the plan predicted highest (a group planned without a prediction, an offloading
+        micro-batch, may be that one: then nothing is charged and nothing eased). Without a miss, each group that
+        kept shows at most what its kept forwards needed, and the corrections reaching it ease towards that."""
         kept = [(total, g) for total, g in predicted if any(f.keep for f in g)]
         if not kept:
             return set()
         tested = {t for t in self.corrections for _, g in kept for f in g if f.keep and _reaches(t, f.tokens)}
-        total, group = max(predicted, key=lambda entry: entry[0])
+        total, group = max(predicted, key=_highest)
+        if total is None:
+            return tested
         if reading > total * (1 + MISS_TOLERANCE):
             if any(f.keep for f in group):  # else the all-recompute peak was short: the policy's to learn
                 tokens, forwards = max(f.tokens for f in group), sum(1 for f in group if f.keep)
@@ -243,24 +247,25 @@ class KeepPlanner:
         shown: dict[int, float] = {}
         for total, g in kept:
             tokens, forwards = max(f.tokens for f in g), sum(1 for f in g if f.keep)
-            needed = max(self.extra(tokens) + (reading - total) / forwards, 0.0)  # at most, per kept forward
+            needed = max(self.extra(tokens) + (reading - total) / forwards, 0.0)  # type: ignore[operator]
             for t in self.corrections:
                 if _reaches(t, tokens):
-                    shown[t] = max(shown.get(t, 0.0), needed)
+                    shown[t] = max(shown.get(t, 0.0), needed)  # at most what the group needed, per kept forward
         for t, needed in shown.items():
-            eased = (self.corrections[t] + needed) / 2
+            eased = (self.corrections[t] + min(needed, self.corrections[t])) / 2
             if eased < 1.0:
                 self._drop(t)
             else:
                 self.corrections[t] = eased
         return tested
 
-    def _correct(self, tokens: int, shown: float) -> None:
-        """Raise the correction at ``tokens`` (or at the one in its bucket) to at least ``shown``."""
+    def _correct(self, tokens: int, shown: float) -> int:
+        """Raise the correction at ``tokens`` (or the one in its bucket) to at least ``shown``; returns its key."""
         bucket = length_bucket(tokens)
         key = next((t for t in self.corrections if length_bucket(t) == bucket), tokens)
         self.corrections[key] = max(self.corrections.get(key, 0.0), shown)
         self._untested[key] = 0
+        return key
 
     def _age_corrections(self, tested: set[int]) -> None:
         """A clean step ended: a correction it did not test halves every ``CALM_STEPS`` such steps, so that one
@@ -310,15 +315,17 @@ class KeepPlanner:
         self.alive = max(self._recent_alive, default=1)
         self.corrections, self._untested = {}, {}
         for t, f, *untested in state.get("corrections", []):
-            self._correct(int(t), float(f))
-            self._untested[next(k for k in self.corrections if length_bucket(k) == length_bucket(int(t)))] = int(
-                untested[0] if untested else 0
-            )
+            self._untested[self._correct(int(t), float(f))] = int(untested[0]) if untested else 0
         self.misses = int(state.get("misses", 0))
         self.calm = int(state.get("calm", 0))
         self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
         self.reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
         self._version += 1
+
+
+def _highest(entry: tuple[float | None, list[Forward]]) -> float:
+    """Orders groups by their predicted peak; one without a prediction first (it may hold the peak)."""
+    return math.inf if entry[0] is None else entry[0]
 
 
 def _reaches(correction_tokens: int, tokens: int) -> bool:
