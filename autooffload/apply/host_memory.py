@@ -226,9 +226,9 @@ class HostMemory:
         buffers, the oversized ones first."""
         with self._lock:
             size = page_round(nbytes)
-            expected, self._expected = max(self._expected - size, 0), max(self._expected - size, 0)
+            self._expected = expected = max(self._expected - size, 0)  # what this micro-batch asks for after this
             free = self._free.get(device, [])
-            fits = sorted((b for b in free if b.nbytes >= nbytes), key=lambda b: b.nbytes)
+            fits = sorted((b for b in free if b.nbytes >= nbytes), key=_size)
             budget = self.budget_bytes
             snug = fits and fits[0].nbytes <= SLACK * size
             if snug and (budget is None or self.lent_bytes + fits[0].nbytes + expected <= budget):

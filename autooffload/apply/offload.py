@@ -27,7 +27,7 @@ class OffloadStats:
     """Bytes moved to host memory: in the current optimizer step, and since training began; and bytes an engine
     was to move but kept on the device for want of host memory (the budget full, the host short, an allocation
     failed), with the planned layers they belong to in the running micro-batch (``layer``: the layer whose
-    offloading call is packing, which the switch sets around the call)."""
+    offloading call is packing, which the switch sets before the call)."""
 
     step_bytes: int = 0
     total_bytes: int = 0
