@@ -100,21 +100,36 @@ def host_memory() -> tuple[int, int]:
 
 def cgroup_limits(proc: Path) -> list[Limit]:
     """The memory limits of the process's cgroup and every cgroup above it, v2 and v1."""
+    return [limit for read, folder in _cgroup_folders(proc) for limit in read(folder)]
+
+
+_FOLDERS: dict[Path, list[tuple[Callable[[Path], list[Limit]], Path]]] = {}
+
+
+def _cgroup_folders(proc: Path) -> list[tuple[Callable[[Path], list[Limit]], Path]]:
+    """Each cgroup folder whose limits apply to the process (its own and those above it, up to each mount's top),
+    with the reader of its version. Found once per process folder: the process's cgroup and the mounts do not
+    move during a run, and a new host buffer reads the limits again (their usage moves)."""
+    if proc in _FOLDERS:
+        return _FOLDERS[proc]
     try:
         memberships = (proc / "cgroup").read_text().splitlines()
         mounts = _mounts((proc / "mountinfo").read_text())
     except OSError:
         return []
-    limits = []
+    found: list[tuple[Callable[[Path], list[Limit]], Path]] = []
     for line in memberships:
         number, controllers, path = [*line.split(":", 2), "", ""][:3]
         if number == "0" and controllers == "":
-            folders = _folders(mounts, "cgroup2", None, path)
-            limits += [limit for folder, top in folders for limit in _walk(folder, top, _v2_limits)]
+            found += [
+                (_v2_limits, f) for folder, top in _folders(mounts, "cgroup2", None, path) for f in _up(folder, top)
+            ]
         elif "memory" in controllers.split(","):
-            folders = _folders(mounts, "cgroup", "memory", path)
-            limits += [limit for folder, top in folders for limit in _walk(folder, top, _v1_limits)]
-    return limits
+            found += [
+                (_v1_limits, f) for folder, top in _folders(mounts, "cgroup", "memory", path) for f in _up(folder, top)
+            ]
+    _FOLDERS[proc] = found
+    return found
 
 
 def _mounts(mountinfo: str) -> list[tuple[str, Path, str, set[str]]]:
@@ -150,32 +165,29 @@ def _folders(mounts: list, kind: str, controller: str | None, path: str) -> list
     return found
 
 
-def _walk(folder: Path, top: Path, read: Callable[[Path], list[Limit]]) -> list[Limit]:
-    """The limits of ``folder`` and of every folder above it up to the mount's top."""
-    limits = []
-    while True:
-        limits += read(folder)
-        if folder == top or folder.parent == folder:
-            return limits
+def _up(folder: Path, top: Path) -> list[Path]:
+    """``folder`` and every folder above it up to the mount's top."""
+    folders = [folder]
+    while folder != top and folder.parent != folder:
         folder = folder.parent
+        folders.append(folder)
+    return folders
 
 
 def _v2_limits(folder: Path) -> list[Limit]:
-    used = _number(folder / "memory.current")
+    limits = [(name, _number(folder / name)) for name in ("memory.max", "memory.high")]
+    limits = [(name, limit) for name, limit in limits if limit is not None]
+    used = _number(folder / "memory.current") if limits else None
     if used is None:
         return []
     used -= _stat(folder / "memory.stat").get("inactive_file", 0)  # page cache the kernel drops before it kills
-    limits = []
-    for name in ("memory.max", "memory.high"):
-        limit = _number(folder / name)
-        if limit is not None:
-            limits.append(Limit(f"cgroup v2 {name} ({folder})", max(limit - used, 0), limit))
-    return limits
+    return [Limit(f"cgroup v2 {name} ({folder})", max(limit - used, 0), limit) for name, limit in limits]
 
 
 def _v1_limits(folder: Path) -> list[Limit]:
-    limit, used = _number(folder / "memory.limit_in_bytes"), _number(folder / "memory.usage_in_bytes")
-    if limit is None or limit >= V1_UNLIMITED or used is None:
+    limit = _number(folder / "memory.limit_in_bytes")
+    used = _number(folder / "memory.usage_in_bytes") if limit is not None and limit < V1_UNLIMITED else None
+    if limit is None or used is None:
         return []
     stat = _stat(folder / "memory.stat")
     used -= stat.get("total_inactive_file", stat.get("inactive_file", 0))
