@@ -21,6 +21,7 @@ POLICIES = ("predictive", "hysteresis")
 RECOMPUTES = ("always", "auto")
 DEFAULT_HOST_SHARE = 0.5  # of the host memory available at start, for the node: AUTOOFFLOAD_HOST_MEMORY=auto
 PAGE = 4096
+MAX_HOST_BYTES = 2**62
 
 
 class SettingsError(ValueError):
@@ -178,7 +179,7 @@ def parse_host_memory(text: str) -> tuple[str, float]:
             raise ValueError(text)
         return "fraction", number
     size = number * _UNITS[unit]
-    if size < PAGE:
+    if not PAGE <= size <= MAX_HOST_BYTES:  # a size beyond any machine's is a typo (and would overflow an int)
         raise ValueError(text)
     return "bytes", size
 
@@ -215,7 +216,10 @@ def _parse(key: str, raw: str, kind: type) -> Any:
         if text.startswith("-"):  # every number setting is at least 0; '-0' is not a documented 0
             allowed = _ALLOWED[key[len(ENV_PREFIX) :].lower()][0]
             raise SettingsError(f"{key}={text} is not allowed: expected {allowed}")
-        return kind(text)
+        try:
+            return kind(text)
+        except ValueError:  # more digits than Python converts (4300)
+            raise SettingsError(f"{key}={shown(raw)} is not allowed: it has too many digits") from None
     if kind is bool:
         if text.lower() in _TRUE + _FALSE:
             return text.lower() in _TRUE

@@ -124,6 +124,12 @@ def test_numbers_are_read_only_in_their_documented_form(name, raw):
         Settings.from_env({name: raw})
 
 
+def test_a_host_memory_size_beyond_any_machine_is_refused():
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_HOST_MEMORY=.* is not allowed"):
+        Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": "9" * 400 + "GiB"})
+    assert Settings(host_memory="4096GiB").host_memory == "4096GiB"
+
+
 def test_a_negative_zero_is_not_a_documented_zero():
     with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_MEMORY_LOW=-0 is not allowed: expected a fraction in"):
         Settings.from_env({"AUTOOFFLOAD_MEMORY_LOW": "-0"})
@@ -139,6 +145,7 @@ def test_a_negative_zero_is_not_a_documented_zero():
     ("env", "arguments"),
     [
         ({"AUTOOFFLOAD_SEQ_HIGH": "9" * 100_000 + "x"}, {}),
+        ({"AUTOOFFLOAD_SEQ_HIGH": "9" * 100_000}, {}),
         ({"AUTOOFFLOAD_MODE": "x" * 100_000}, {}),
         ({"AUTOOFFLOAD_RESCUE": "y" * 100_000}, {}),
         ({"AUTOOFFLOAD_NOPE": "z" * 100_000}, {}),
