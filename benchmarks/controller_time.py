@@ -13,13 +13,14 @@ micro-batch the step's end with a memory reading. What is left out is the forwar
 the hooks inside them, whose cost does not depend on the lengths seen).
 
 Per (layers, N): a run visits N distinct lengths once each (batch 1, 16 to N + 15 tokens, in a random order),
-then ``--timed`` micro-batches at lengths drawn from those N; every micro-batch is timed (wall clock,
-``time.perf_counter``). Two figures: a *new* length (the last ``--timed`` of the N first visits, each a length
-not seen before: what a padding-free run meets at nearly every micro-batch) and a *seen* one (the draws). The
-memory reading is a synthetic device: a constant, a per-token term at the step's longest micro-batch, and what
-its kept layers add, 2% more than they measured in one step in twenty (so the
-keep planner's corrections are exercised too). The table gives the median and the 90th percentile per
-micro-batch, and the size of the controller's saved state (``json.dumps(state_dict())``).
+then ``--timed`` micro-batches at lengths drawn from those N; every micro-batch is timed (the thread's CPU time,
+``time.thread_time``, which other processes on a shared machine disturb far less than the wall clock). Two
+figures: a *new* length (the last ``--timed`` of the N first visits, each a length not seen before: what a
+padding-free run meets at nearly every micro-batch) and a *seen* one (the draws). The memory reading is a
+synthetic device: a constant, a per-token term at the step's longest micro-batch, and what its kept layers add,
+2% more than they measured in one step in twenty (so the keep planner's corrections are exercised too). The table
+gives the median and the 90th percentile per micro-batch, and the size of the controller's saved state
+(``json.dumps(state_dict())``).
 
 ``--code PATH`` imports autooffload from another checkout (the code before a change, to compare); ``--baseline``
 adds earlier runs' JSON to the plot.
@@ -91,7 +92,7 @@ def run(layers: int, distinct: int, timed: int, seed: int = 0) -> dict[str, Any]
     times: list[float] = []
     kept_any = 0
     for micro, tokens in enumerate(schedule):
-        started = time.perf_counter()
+        started = time.thread_time()
         if micro % 2 == 0:
             controller.begin_step()
         controller.before_forward(tokens, tokens)
@@ -109,7 +110,7 @@ def run(layers: int, distinct: int, timed: int, seed: int = 0) -> dict[str, Any]
         if micro % 2 == 1:
             controller.end_step()
             device.reset()
-        times.append(time.perf_counter() - started)
+        times.append(time.thread_time() - started)
     first, seen = times[: len(order)], times[len(order) :]
     new = first[-timed:]
     windows = [statistics.median(first[i : i + 1000]) for i in range(0, len(first), 1000)]
@@ -165,7 +166,7 @@ def plot(results: list[dict[str, Any]], baselines: list[dict[str, Any]], out: Pa
     ax.set_yscale("log")
     ax.set_xlabel("distinct lengths seen")
     ax.set_ylabel("controller host time per micro-batch, ms (median)")
-    ax.set_title("autooffload controller time per micro-batch (CPU, wall clock)", fontsize=10)
+    ax.set_title("autooffload controller time per micro-batch (CPU time of its thread, no GPU)", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     figure.tight_layout()
@@ -182,7 +183,12 @@ def main() -> int:
     parser.add_argument("--code", type=Path, help="import autooffload from this checkout (default: this one)")
     parser.add_argument("--baseline", type=Path, nargs="*", default=[], help="earlier results.json to plot")
     parser.add_argument("--label", default="after", help="what this run measures, for a later --baseline")
+    parser.add_argument("--plot-only", action="store_true", help="draw --out's results.json (and --baseline) again")
     options = parser.parse_args()
+    baselines = [json.loads(path.read_text()) for path in options.baseline]
+    if options.plot_only:
+        plot(json.loads((options.out / "results.json").read_text())["rows"], baselines, options.out / "results.png")
+        return 0
     root = (options.code or HERE.parent).resolve()
     sys.path.insert(0, str(root))
     import torch
@@ -220,7 +226,6 @@ def main() -> int:
                 "rows": results,
             }
             (options.out / "results.json").write_text(json.dumps(summary, indent=2))
-    baselines = [json.loads(path.read_text()) for path in options.baseline]
     try:
         plot(results, baselines, options.out / "results.png")
     except ImportError:
