@@ -6,11 +6,12 @@ rounded up to a 4 KiB page, then pinned with ``cudaHostRegister`` (what torch's 
 releasing one unregisters it and unmaps it, so the memory goes back to the operating system.
 
 - **Reuse.** A buffer given back waits in a free list (per device, so only copies on that device's stream
-  ever touch it, in order) and serves the next request it fits snugly (at most ``SLACK`` times the request),
-  the smallest first, where the budget holds it beside what the micro-batch still expects to ask for (the
-  controller says, :meth:`HostMemory.expect`). A larger one is lent only where no new buffer can be had: after
-  a long micro-batch, short ones would otherwise borrow its large buffers one input each, and the budget would
-  be spent on a few of their inputs while the rest stayed on the device.
+  ever touch it, in order) and serves the next request it fits, the smallest first, where the budget holds it
+  beside what the micro-batch still expects to ask for (the controller says before each forward,
+  :meth:`HostMemory.expect`); otherwise a new buffer of the request's size is taken, the larger free ones
+  released first to make room. After a long micro-batch, short ones would otherwise borrow its large buffers one
+  input each, and the budget would be spent on a few of their inputs while the rest stayed on the device. Where
+  nobody says what a micro-batch expects, only a buffer at most ``SLACK`` times the request is lent.
 - **Budget.** The bytes held (in use and free) never exceed ``budget_bytes``: a request that would is
   first met by releasing free buffers (the oversized ones first, largest first, then the smaller ones), and
   refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
@@ -47,7 +48,7 @@ from ..warn import WarnOnce
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 4
-SLACK = 2  # a free buffer serves a request of at least 1 / SLACK of its size
+SLACK = 2  # without expect(): a free buffer serves a request of at least 1 / SLACK of its size
 
 
 LOCAL_SIZE_VARIABLES = (
@@ -200,6 +201,7 @@ class HostMemory:
         self.held_bytes = 0
         self.lent_bytes = 0  # held bytes on loan (the rest are free)
         self._expected = 0  # bytes the running micro-batch is still expected to ask for (expect)
+        self._told = False  # expect() was called: larger free buffers are lent where the budget holds the rest
         self.pinned_bytes = 0
         self.peak_held_bytes = 0
         self.allocations = 0
@@ -215,22 +217,24 @@ class HostMemory:
         rest of them still fit beside it."""
         with self._lock:
             self._expected = sum(page_round(n) for n in sizes)
+            self._told = True
 
     def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
         """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short.
 
-        A free buffer serves a request it fits snugly (at most ``SLACK`` times the request) where the budget holds
-        it and what the micro-batch still expects (:meth:`expect`); a larger one is lent only where no new buffer
-        can be had (the host is short, or allocating failed): lent to a short micro-batch's small input, a long
-        one's buffer would hold the budget its other inputs need. Room under the budget is made by releasing free
-        buffers, the oversized ones first."""
+        The smallest free buffer that fits serves it where the budget holds that buffer beside what the micro-batch
+        still expects (:meth:`expect`; without it, only a buffer at most ``SLACK`` times the request); otherwise a
+        new buffer of the request's size, room under the budget made by releasing free buffers, the oversized ones
+        first; a larger free one is lent still where no new buffer can be had (the host is short, or allocating
+        failed). Lent to a short micro-batch's small input, a long one's buffer would hold the budget its other
+        inputs need."""
         with self._lock:
             size = page_round(nbytes)
             self._expected = expected = max(self._expected - size, 0)  # what this micro-batch asks for after this
             free = self._free.get(device, [])
             fits = sorted((b for b in free if b.nbytes >= nbytes), key=_size)
             budget = self.budget_bytes
-            snug = fits and fits[0].nbytes <= SLACK * size
+            snug = fits and (self._told or fits[0].nbytes <= SLACK * size)
             if snug and (budget is None or self.lent_bytes + fits[0].nbytes + expected <= budget):
                 return self._lend(fits[0])
             available, total = self.memory()
