@@ -104,7 +104,8 @@ class RunRecord:
     def close_step(self) -> int:
         """The step's bytes moved (and kept short), and whether it offloaded at all, are final: returns the bytes
         moved."""
-        self.last_step_bytes, self.last_step_short_bytes = self.stats.next_step()
+        self.last_step_short_bytes = self.stats.step_short_bytes
+        self.last_step_bytes = self.stats.next_step()
         self.steps_offloading += int(self.offloaded_this_step)
         self.offloaded_this_step = False
         return self.last_step_bytes

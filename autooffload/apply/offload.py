@@ -54,11 +54,11 @@ class OffloadStats:
         layers, self.short_layers = self.short_layers, set()
         return layers
 
-    def next_step(self) -> tuple[int, int]:
-        """Close the step: return its bytes moved and kept short, and start counting the next one."""
-        moved, short = self.step_bytes, self.step_short_bytes
+    def next_step(self) -> int:
+        """Close the step: return its bytes moved and start counting the next one (its bytes kept short too)."""
+        moved = self.step_bytes
         self.step_bytes = self.step_short_bytes = 0
-        return moved, short
+        return moved
 
 
 class _Loan:
