@@ -31,7 +31,6 @@ import torch
 from . import lifecycle
 from .apply.compile_guard import is_compiled
 from .apply.hooks import ForwardHooks
-from .apply.host_memory import ranks_per_node
 from .apply.switch import CheckpointSwitch, install_plain
 from .fallback import AT_END
 from .guard import guarded
@@ -97,10 +96,9 @@ class OffloadController(Run):
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
         logger.info(
-            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, "
-            "host memory budget %.1f MiB for this rank (AUTOOFFLOAD_HOST_MEMORY=%s over %d rank(s) of the node)",
+            "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, %s",
             len(self.switch.layers), self.settings.mode, probe, self.planner.compiled,
-            (self.host.budget_bytes or 0) / 2**20, self.settings.host_memory, ranks_per_node(),
+            self.host.describe(self.settings.host_memory),
         )  # fmt: skip
         return True
 
@@ -207,6 +205,7 @@ class OffloadController(Run):
             rescuing=self.memory.rescuing,
         )  # decide  # fmt: skip
         self._install(plan.level, plan.keep, plan.measure, sized.order)  # apply
+        self.host.expect(sized.layer_bytes[: plan.level] if sized.layer_bytes else ())
         self.sizes.start(self.switch.offloading, sized)
         host, layers = (self.host.budget_bytes, self.settings.host_memory), len(self.switch.layers)
         self.record.micro_batch(batch.seq_len, batch.tokens, plan, before[0], self.switch.kept, layers, host)
@@ -255,6 +254,7 @@ class OffloadController(Run):
     def _close_micro_batch(self) -> None:
         if self.switch is not None:
             self.sizes.close_micro_batch(self.switch.forward.take_counts())
+            self.record.ran(len(self.switch.layers))
 
     @guarded("rescue", False)
     def rescue(self, tried_bytes: int | None = None) -> bool:
@@ -285,7 +285,8 @@ class OffloadController(Run):
         """Close an optimizer step: bytes moved, memory reading, what the plans learn, the step's record."""
         self._close_micro_batch()
         rescued = self.memory.rescuing
-        self.sizes.end_step(self.record.close_step(), measure=not rescued)
+        moved = self.record.close_step()  # what fell short says nothing of a layer input's bytes
+        self.sizes.end_step(moved, measure=not rescued and not self.record.last_step_short_bytes)
         peak = self.memory.end_step()
         self.planner.end_step(peak, clean=self.memory.last.clean and not rescued)
         self.host.end_step()

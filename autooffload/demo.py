@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 import torch
+
+from .settings import shown
 
 
 class MixedLengths(torch.utils.data.Dataset):
@@ -77,10 +82,40 @@ LENGTHS = [64, 64, 64, 512, 64, 64, 256, 512, 64, 64, 384, 64, 512, 64, 64, 64]
 DEVICE_BYTES = 4_650_000  # the simulated device: a 512-token micro-batch does not fit with every layer recomputing
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"autooffload demo: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _device_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number of bytes") from None
+    if not 0 < value <= 2**62:
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be a positive number of bytes (at most 2**62)")
+    return value
+
+
+def _output_dir(text: str) -> Path:
+    """A folder the demo can write into, made if it does not exist."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot make {shown(text)}: {error.strerror or error}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {shown(text)}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autooffload demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--device-bytes", type=int, default=DEVICE_BYTES, help="size of the simulated device")
-    parser.add_argument("--output-dir", default="/tmp/autooffload-demo")
+    parser = _Parser(prog="autooffload demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--device-bytes", type=_device_bytes, default=DEVICE_BYTES, help="size of the simulated device")
+    parser.add_argument("--output-dir", type=_output_dir, default="/tmp/autooffload-demo")
     options = parser.parse_args(argv)
 
     from transformers import Trainer, TrainingArguments
@@ -97,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     callback = AutoOffloadCallback(recompute="auto", seq_high=1024, seq_low=768, probe=device)
     controller = callback.controller
     args = TrainingArguments(
-        output_dir=options.output_dir,
+        output_dir=str(options.output_dir),
         per_device_train_batch_size=1,
         max_steps=len(LENGTHS),
         learning_rate=1e-3,

@@ -17,6 +17,10 @@ A record (one JSON object per line, keys in this order):
 - ``kept``: with ``AUTOOFFLOAD_RECOMPUTE=auto``, one entry per micro-batch: the checkpointed layers that ran
   without checkpointing (kept, not recomputed); ``null`` with ``always``.
 - ``bytes_moved``: bytes the offload hooks moved to host memory in the step (a rescued step: both attempts).
+- ``short_bytes``: bytes the step's offloaded layers were to move but kept on the device, for want of host
+  memory (the budget full, the host short, an allocation failed); 0 when everything planned moved. A
+  micro-batch that fell short counts in ``offloaded`` only the layers that moved everything, with the reason
+  ``host_short``.
 - ``switches``: changes of level in the step; ``rescued``: the step ran out of memory and was rerun.
 - ``memory_fraction``, ``memory_bytes``, ``total_bytes``: the reading at the end of the step (``null``
   without one).
@@ -32,9 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .settings import shown
 
 HISTORY_DIR = "autooffload"
 PENDING_LIMIT = 10_000
@@ -48,6 +57,7 @@ REASONS = {
     "policy_failed": "the policy raised: plain checkpointing",
     "rank_agreement": "another rank asked for more: the ranks run their maximum",
     "host_cap": "capped at what the host memory budget (AUTOOFFLOAD_HOST_MEMORY) holds",
+    "host_short": "fewer layers moved than planned: host memory (the budget, the host, an allocation) took no more",
     "seq_high": "sequence length >= seq_high",
     "memory_high": "last reading >= memory_high",
     "above_low": "on, and a signal is still at or above its low threshold (hysteresis holds)",
@@ -75,6 +85,7 @@ class StepRecord:
     reasons: list[str]
     kept: list[int] | None
     bytes_moved: int
+    short_bytes: int
     switches: int
     rescued: bool
     memory_fraction: float | None
@@ -122,6 +133,12 @@ class HistoryRecorder:
         if predicted is not None:
             self._predicted = max(self._predicted or 0.0, predicted)
 
+    def fell_short(self, offloaded: int) -> None:
+        """The last micro-batch ran: only ``offloaded`` of its layers moved their inputs (host memory was short)."""
+        if self._micro_batches:
+            seq, tokens, _, _ = self._micro_batches[-1]
+            self._micro_batches[-1] = (seq, tokens, offloaded, "host_short")
+
     def rescue(self) -> None:
         """The step is rerun from its first micro-batch: forget the failed attempt's micro-batches."""
         self._micro_batches.clear()
@@ -130,14 +147,15 @@ class HistoryRecorder:
     def end_step(
         self,
         step: int,
-        bytes_moved: int,
+        moved: tuple[int, int],
         rescued: bool,
         memory: tuple[float | None, int | None, int | None],
         layers: int,
         settings: Any,
     ) -> StepRecord:
-        """Close step ``step`` (counted as Trainer counts ``global_step``): ``memory`` is the reading (fraction,
-        bytes, device bytes), ``settings`` what the decisions were made against."""
+        """Close step ``step`` (counted as Trainer counts ``global_step``): ``moved``, the bytes moved and kept
+        short; ``memory``, the reading (fraction, bytes, device bytes); ``settings``, what the decisions were
+        made against."""
         shapes = self._micro_batches
         fraction, used, total = memory
         record = StepRecord(
@@ -147,7 +165,8 @@ class HistoryRecorder:
             offloaded=[level for *_, level, _ in shapes],
             reasons=[reason for *_, reason in shapes],  # type: ignore[misc]
             kept=list(self._kept) if settings.recompute == "auto" else None,
-            bytes_moved=int(bytes_moved),
+            bytes_moved=int(moved[0]),
+            short_bytes=int(moved[1]),
             switches=self._switches,
             rescued=bool(rescued),
             memory_fraction=fraction,
@@ -220,11 +239,16 @@ def _step_of(line: str) -> int | None:
 
 
 REQUIRED = {"step": int, "seq_lens": list, "tokens": list, "offloaded": list, "bytes_moved": int}
+LARGEST = 2**63  # no count or size in a history is larger; one that is cannot be drawn (floats overflow)
 
 
-def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_history(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of a history file, in order. :class:`HistoryError` (one line) when the file is missing,
-    empty, or a line is not a step record."""
+    empty, or a line is not a step record, or holds a number out of range.
+
+    A last line cut short (no newline at its end, not JSON: a crash while the file was being appended to) is
+    skipped, and ``warn`` (default: :func:`warnings.warn`) hears one line about it: the steps before it are whole.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -233,16 +257,23 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as error:
         raise HistoryError(f"cannot read {path}: {error}") from None
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
+            if number == len(lines) and not text.endswith("\n"):
+                (warn or warnings.warn)(f"{path}, line {number}: cut short (a crash while writing?); skipped")
+                continue
             raise HistoryError(f"{path}, line {number}: not JSON") from None
         missing = [key for key, kind in REQUIRED.items() if not isinstance(record, dict) or not _is(record, key, kind)]
         if missing:
             raise HistoryError(f"{path}, line {number}: not a step record (missing or bad {', '.join(missing)})")
+        bad = _out_of_range(record)
+        if bad is not None:
+            raise HistoryError(f"{path}, line {number}: {bad[0]}={shown(bad[1])} is out of range")
         records.append(record)
     if not records:
         raise HistoryError(f"{path} holds no records")
@@ -252,3 +283,14 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
 def _is(record: dict[str, Any], key: str, kind: type) -> bool:
     value = record.get(key)
     return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _out_of_range(record: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first key holding a number no history holds (an integer beyond 2**63, an infinite float), and it."""
+    for key, value in record.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, bool):
+                continue
+            if (isinstance(item, int) and abs(item) > LARGEST) or (isinstance(item, float) and math.isinf(item)):
+                return key, item
+    return None

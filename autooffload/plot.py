@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .history import HISTORY_DIR, HistoryError, read_history
+from .settings import shown
 
 EXTRA_HINT = "matplotlib is needed to plot: pip install autooffload[plot]"
 
@@ -48,7 +49,8 @@ def find_history(path: str | Path, rank: int | None = None) -> Path:
 def draw(
     records: list[dict[str, Any]], out: str | Path, title: str = "", memory_label: str = "memory fraction"
 ) -> Path:
-    """Draw the timeline of ``records`` into the PNG ``out``. Raises ImportError without matplotlib.
+    """Draw the timeline of ``records`` into ``out`` (an image format matplotlib writes, by its suffix; otherwise
+    ``.png`` is added) and return the file written. Raises ImportError without matplotlib.
 
     ``memory_label``: the memory panel's axis label (the demo's says its memory is simulated)."""
     import matplotlib
@@ -125,9 +127,13 @@ def draw(
     seq_ax.set_title(title or "autooffload: what it decided, per optimizer step", fontsize=10)
     figure.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=80)
-    plt.close(figure)
+    if out.suffix[1:].lower() not in figure.canvas.get_supported_filetypes():
+        out = out.with_name(out.name + ".png")  # no suffix, or one that names no image format
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out, dpi=80)
+    finally:
+        plt.close(figure)
     return out
 
 
@@ -138,7 +144,9 @@ def _fraction(value: float | None, total: int | None) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autooffload plot", description=__doc__.splitlines()[0])
     parser.add_argument("path", help="a history file, or a training output_dir holding autooffload/history.jsonl")
-    parser.add_argument("--out", help="the PNG to write (default: next to the history file, .png)")
+    parser.add_argument(
+        "--out", help="the image to write (default: next to the history file, .png; a name without a suffix gets .png)"
+    )
     parser.add_argument("--rank", type=int, help="which rank's file to plot from an output_dir (default 0)")
     return parser
 
@@ -148,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     try:
         path = find_history(options.path, options.rank)
-        records = read_history(path)
+        records = read_history(path, warn=_print_warning)
     except HistoryError as error:
         _print_error(str(error))
+        return 2
+    except OSError as error:  # a path too long to look at, a folder that cannot be listed
+        _print_error(f"cannot read {shown(options.path)}: {error.strerror or error}")
         return 2
     out = Path(options.out) if options.out else path.with_suffix(".png")
     try:
@@ -159,10 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         _print_error(EXTRA_HINT)
         return 2
     except OSError as error:
-        _print_error(f"cannot write {out}: {error}")
+        _print_error(f"cannot write {shown(str(out))}: {error.strerror or error}")
         return 2
-    except (TypeError, ValueError, KeyError) as error:
-        _print_error(f"{path} holds records that cannot be drawn ({error!r})")
+    except (TypeError, ValueError, KeyError, ArithmeticError) as error:
+        _print_error(f"{path} holds records that cannot be drawn ({shown(str(error))})")
         return 2
     print(f"autooffload plot: {len(records)} step(s) from {path} -> {written}")
     return 0
+
+
+def _print_warning(message: str) -> None:
+    print(f"autooffload plot: warning: {message}", file=sys.stderr)

@@ -33,12 +33,15 @@ class RunRecord:
 
     def reset(self) -> None:
         """A new run: every counter from zero, no history pending (the stats object stays: the switch holds it)."""
-        self.stats.step_bytes = self.stats.total_bytes = self.stats.tensors = 0
+        stats = self.stats
+        stats.step_bytes = stats.total_bytes = stats.tensors = stats.step_short_bytes = stats.short_bytes = 0
+        stats.take_short_layers()
         self.step = 0
         self.switches = 0
         self.steps_offloading = 0
         self.rescues = 0
         self.last_step_bytes = 0
+        self.last_step_short_bytes = 0  # bytes the last step was to move but kept on the device (host memory short)
         self.level: int | None = None  # layers offloading in the last micro-batch (what is installed)
         self.active = 0.0  # the same, as a share of the planned layers
         self.kept = 0.0  # layers kept in the last micro-batch, as a share of the planned layers
@@ -75,6 +78,15 @@ class RunRecord:
         self.micro_batches += 1
         self.history.micro_batch(seq_len, tokens, self.level or 0, plan.reason, kept, plan.switched, plan.predicted)
 
+    def ran(self, layers: int) -> None:
+        """The micro-batch planned last has run: a layer that kept an input on the device for want of host memory
+        did not offload, and its record and ``active`` say so (reason ``host_short``)."""
+        short = len(self.stats.take_short_layers())
+        if short and self.level:
+            offloaded = max(self.level - short, 0)
+            self.active = offloaded / layers if layers else 0.0
+            self.history.fell_short(offloaded)
+
     def reinstalled(self) -> None:
         """A trainer replaced the checkpoint functions; autooffload's are installed again."""
         self.reinstalls += 1
@@ -90,7 +102,9 @@ class RunRecord:
         )
 
     def close_step(self) -> int:
-        """The step's bytes moved, and whether it offloaded at all, are final: returns the bytes."""
+        """The step's bytes moved (and kept short), and whether it offloaded at all, are final: returns the bytes
+        moved."""
+        self.last_step_short_bytes = self.stats.step_short_bytes
         self.last_step_bytes = self.stats.next_step()
         self.steps_offloading += int(self.offloaded_this_step)
         self.offloaded_this_step = False
@@ -103,7 +117,8 @@ class RunRecord:
         self.step += 1
         if layers is None:
             return
-        self.history.end_step(self.step, self.last_step_bytes, rescued, memory, layers, settings)
+        moved = (self.last_step_bytes, self.last_step_short_bytes)
+        self.history.end_step(self.step, moved, rescued, memory, layers, settings)
         if self.history.dropped:
             self.warn(
                 "history-dropped",
@@ -125,6 +140,7 @@ class RunRecord:
             "autooffload/active": self.active,
             "autooffload/kept": self.kept,
             "autooffload/offloaded_bytes": float(self.last_step_bytes),
+            "autooffload/short_bytes": float(self.last_step_short_bytes),
             "autooffload/switches": float(self.switches),
             "autooffload/rescues": float(self.rescues),
             "autooffload/host_bytes": float(host_bytes),
@@ -140,6 +156,8 @@ class RunRecord:
             f"autooffload: mode={mode}, {self.step} step(s), offload in {self.steps_offloading} "
             f"({share:.0%}), {self.switches} switch(es), {self.stats.total_bytes / 2**20:.1f} MiB moved to host"
         )
+        if self.stats.short_bytes:
+            text += f" ({self.stats.short_bytes / 2**20:.1f} MiB stayed on the device: host memory short)"
         if peak_fraction is not None:
             text += f", peak memory {peak_fraction:.2f} of device"
         if self.worst_rank is not None:
@@ -156,6 +174,7 @@ class RunRecord:
             "switches": self.switches,
             "steps_offloading": self.steps_offloading,
             "total_bytes": self.stats.total_bytes,
+            "short_bytes": self.stats.short_bytes,
             "level": self.level,
             "rescues": self.rescues,
         }
@@ -165,6 +184,7 @@ class RunRecord:
         self.switches = int(state.get("switches", 0))
         self.steps_offloading = int(state.get("steps_offloading", 0))
         self.stats.total_bytes = int(state.get("total_bytes", 0))
+        self.stats.short_bytes = int(state.get("short_bytes", 0))
         self.rescues = int(state.get("rescues", 0))
         self.level = state.get("level")
         if self.level is not None:

@@ -23,6 +23,7 @@ POLICIES = ("predictive", "hysteresis")
 RECOMPUTES = ("always", "auto")
 DEFAULT_HOST_SHARE = 0.5  # of the host memory available at start, for the node: AUTOOFFLOAD_HOST_MEMORY=auto
 PAGE = 4096
+MAX_HOST_BYTES = 2**62
 
 
 class SettingsError(ValueError):
@@ -96,7 +97,8 @@ class Settings:
                 continue
             if key not in names:
                 raise SettingsError(
-                    f"unknown environment variable {key}={raw!r}; autooffload reads: {', '.join(sorted(names))}"
+                    f"unknown environment variable {shown(key)[1:-1]}={shown(raw)}; autooffload reads: "
+                    f"{', '.join(sorted(names))}"
                 )
             values[names[key].name] = _parse(key, raw, _TYPES[str(names[key].type)])
             labels[names[key].name] = key
@@ -104,7 +106,8 @@ class Settings:
         if unknown:
             where = "" if source == "argument" else f" in {source}"
             raise SettingsError(
-                f"unknown setting(s) {sorted(unknown)}{where}; known: {[f.name for f in dataclasses.fields(cls)]}"
+                f"unknown setting(s) {[shown(name)[1:-1] for name in sorted(unknown)]}{where}; known: "
+                f"{[f.name for f in dataclasses.fields(cls)]}"
             )
         given = {k: v for k, v in overrides.items() if v is not None}
         values.update(given)
@@ -143,7 +146,7 @@ def offload_mode(value: Any) -> str | None:
             return "on"
         if text in ("false", "0", "no", "off"):
             return "off"
-    raise SettingsError(f"checkpointing kwarg offload={value!r} is not one of True, False, 'auto'")
+    raise SettingsError(f"checkpointing kwarg offload={shown(value)} is not one of True, False, 'auto'")
 
 
 _UNITS = {
@@ -182,7 +185,7 @@ def parse_host_memory(text: str) -> tuple[str, float]:
             raise ValueError(text)
         return "fraction", number
     size = number * _UNITS[unit]
-    if size < PAGE:
+    if not PAGE <= size <= MAX_HOST_BYTES:  # a size beyond any machine's is a typo (and would overflow an int)
         raise ValueError(text)
     return "bytes", size
 
@@ -222,22 +225,42 @@ def _validate(values: dict[str, Any], labels: Mapping[str, str]) -> None:
             )
 
 
+# The documented forms of a number in a variable: ASCII digits (an integer setting: 32768), with a decimal point for
+# a fraction (0.9). int() and float() take more: other scripts' digits (Arabic-Indic, full-width), underscores
+# ('1_000'), a sign ('+1', and '-0', a float -0.0), exponents and 'nan'. A minus sign is read, to be refused by
+# the setting's range.
+_INTEGER = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+SHOWN_CHARACTERS = 60
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for a message, shortened when long: a 100,000-character value is not echoed whole."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARACTERS:
+        return text
+    length = len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else len(text)
+    return f"{text[: SHOWN_CHARACTERS - 20]}... ({length:,} characters)"
+
+
 def _parse(key: str, raw: str, kind: type) -> Any:
     text = raw.strip()
-    if kind is int:
+    if kind in (int, float):
+        name = "an integer" if kind is int else "a number"
+        form = "ASCII digits, such as 32768" if kind is int else "a decimal in ASCII digits, such as 0.9"
+        if not (_INTEGER if kind is int else _DECIMAL).fullmatch(text):
+            raise SettingsError(f"{key}={shown(raw)} is not {name}: write it in {form}")
+        if text.startswith("-"):  # every number setting is at least 0; '-0' is not a documented 0
+            allowed = _ALLOWED[key[len(ENV_PREFIX) :].lower()][0]
+            raise SettingsError(f"{key}={text} is not allowed: expected {allowed}")
         try:
-            return int(text)
-        except ValueError:
-            raise SettingsError(f"{key}={raw!r} is not an integer") from None
+            return kind(text)
+        except ValueError:  # more digits than Python converts (4300)
+            raise SettingsError(f"{key}={shown(raw)} is not allowed: it has too many digits") from None
     if kind is bool:
         if text.lower() in _TRUE + _FALSE:
             return text.lower() in _TRUE
-        raise SettingsError(f"{key}={raw!r} is not a boolean: expected 1 or 0 (true or false)")
-    if kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise SettingsError(f"{key}={raw!r} is not a number") from None
+        raise SettingsError(f"{key}={shown(raw)} is not a boolean: expected 1 or 0 (true or false)")
     return text.lower()
 
 
@@ -278,4 +301,4 @@ def _check(name: str, value: Any, env_name: str, expected: type) -> None:
     if expected is float:
         well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not well_typed or not ok(value):
-        raise SettingsError(f"{env_name}={value!r} is not allowed: expected {allowed}")
+        raise SettingsError(f"{env_name}={shown(value)} is not allowed: expected {allowed}")

@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, Settings, SettingsError
 from autooffload.apply import host_memory
 from autooffload.apply.host_memory import PAGE, HostMemory, node_budget, page_round, ranks_per_node
+from autooffload.history import read_history
 
 CPU = torch.device("cpu")
 PLENTY = (1 << 40, 1 << 41)
@@ -90,6 +91,57 @@ def test_the_budget_is_never_exceeded_free_buffers_make_room_first():
     with pytest.warns(AutoOffloadWarning, match="budget"):
         assert host.take(2 * PAGE, CPU) is None
     assert host.peak_held_bytes <= 5 * PAGE
+
+
+def test_a_long_micro_batchs_idle_buffers_do_not_starve_the_short_ones_after_it():
+    """Budget: two long inputs. After a long micro-batch its two buffers are free; a short one's four inputs must
+    all fit (its planner said so), not borrow a long buffer each and be refused the third (issue 31)."""
+    pinning = Pinning()
+    long, short = 32 * PAGE, 4 * PAGE
+    host = pinning.host(budget_bytes=2 * long)
+    for buffer in [host.take(long, CPU), host.take(long, CPU)]:
+        host.give(buffer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lent = [host.take(short, CPU) for _ in range(4)]
+    assert all(b is not None and b.nbytes == short for b in lent)
+    assert host.held_bytes <= 2 * long and host.peak_held_bytes <= 2 * long
+    for buffer in lent:
+        host.give(buffer)
+    # The next long micro-batch gets its two buffers back, the short ones' making room.
+    assert [host.take(long, CPU).nbytes for _ in range(2)] == [long, long] and host.held_bytes == 2 * long
+    # A free buffer twice the request or less is reused; with the host short, any larger one is lent too.
+    host = pinning.host(budget_bytes=2 * long)
+    buffer = host.take(2 * short, CPU)
+    host.give(buffer)
+    assert host.take(short, CPU) is buffer
+    host.give(buffer)
+    host.memory = lambda: (0, PLENTY[1])
+    with pytest.warns(AutoOffloadWarning, match="host memory is short"):
+        assert host.take(long, CPU) is None
+    host.memory = lambda: PLENTY
+    big = host.take(long, CPU)
+    host.give(big)
+    host.memory = lambda: (0, PLENTY[1])
+    assert host.take(short // 2, CPU) is buffer and host.take(short, CPU) is big
+
+
+def test_a_free_buffer_is_lent_only_where_the_rest_of_the_micro_batch_still_fits_beside_it():
+    """Budget 64 pages; a free buffer of 27 pages; the micro-batch expects four inputs of 15 pages (60 pages, what
+    the controller's cap allows). Lending the 27-page buffer to the first would leave no room for the fourth (the
+    soak's 256 KiB budget: one input in a few steps stayed on the device). Where the budget holds it, a free buffer
+    of any size is lent (no new buffer to pin)."""
+    host = Pinning().host(budget_bytes=64 * PAGE)
+    host.give(host.take(27 * PAGE, CPU))
+    host.expect([15 * PAGE - 100] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lent = [host.take(15 * PAGE - 100, CPU) for _ in range(4)]
+    assert [b.nbytes for b in lent] == [15 * PAGE] * 4 and host.held_bytes == 60 * PAGE
+    for buffer in lent:
+        host.give(buffer)
+    host.expect([2 * PAGE, 2 * PAGE])  # room to spare: the free 15-page buffers serve 2-page inputs
+    assert [host.take(2 * PAGE, CPU).nbytes for _ in range(2)] == [15 * PAGE] * 2 and host.allocations == 5
 
 
 def test_free_buffers_are_released_after_steps_unused():
@@ -339,3 +391,38 @@ def test_the_stream_engine_measures_a_layer_input_from_the_layers_it_moves_and_t
     assert callback.controller.sizes.token_bytes == HIDDEN * 4
     assert [(level, moved) for level, moved, _ in rows] == [(4, 3 * per_layer // 2), (2, 2 * per_layer)]
     assert callback.controller.host.peak_held_bytes <= callback.controller.host.budget_bytes
+
+
+@pytest.mark.parametrize("engine", ["sync", "stream"])
+def test_the_history_and_the_logs_say_what_really_moved_when_host_memory_falls_short(tmp_path, engine):
+    """Mode "on", gradient accumulation 2: 64-token then 128-token micro-batches. Host memory runs out two buffers
+    after the first micro-batch's (an allocation fails): each 128-token micro-batch moves two layers' inputs (two
+    new buffers, then the two it gave back) and keeps the others' on the device. The history said every layer
+    offloaded with reason ``mode_on`` (issue 31); it must count what moved, and say why it fell short."""
+    moving = LAYERS - 1 if engine == "stream" else LAYERS  # the stream engine keeps the last layer's input
+    allocations = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocations.append(nbytes)
+        if len(allocations) > moving + 2:
+            raise MemoryError("no more host memory")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    callback = AutoOffloadCallback(probe=None, engine=engine, mode="on")
+    callback.controller.host = Pinning().host(allocate=allocate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = train(tmp_path, [64, 128] * 3, [callback], steps=3, gradient_accumulation_steps=2)
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and "could not be allocated" in ours[0]
+    short_layers = moving - 2
+    short = short_layers * 128 * HIDDEN * 4
+    records = read_history(callback.history_path)
+    assert [r["offloaded"] for r in records] == [[LAYERS, LAYERS - short_layers]] * 3
+    assert [r["reasons"] for r in records] == [["mode_on", "host_short"]] * 3
+    assert [r["short_bytes"] for r in records] == [short] * 3
+    assert [r["bytes_moved"] for r in records] == [moving * 64 * HIDDEN * 4 + 2 * 128 * HIDDEN * 4] * 3
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["autooffload/active"] for h in logged] == [(LAYERS - short_layers) / LAYERS] * 3
+    assert [h["autooffload/short_bytes"] for h in logged] == [short] * 3
+    assert f"{3 * short / 2**20:.1f} MiB stayed on the device" in callback.controller.summary()

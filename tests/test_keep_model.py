@@ -290,3 +290,104 @@ def test_the_first_step_with_two_forwards_leaves_room_for_the_first_forwards_who
     assert kept[1:4] == [LAYERS] * 3  # one forward at a time: every layer keeps
     assert kept[4:6] == [LAYERS, 0]  # the first step with two: the second forward keeps nothing
     assert kept[-2:] == [2, 2] and controller.planner.keep.alive == 2  # then planned for two: both keep
+
+
+# ---- long runs: bounded state, a decision's cost, a miss charged where it happened (issue 31) ----------------
+
+
+def test_the_state_and_a_decisions_work_stay_bounded_however_many_lengths(monkeypatch):
+    """Padding-free batches give nearly every micro-batch a length of its own. The planner keeps one measurement
+    per layer and bucket of lengths, saves no more, and a decision at a length it has no count for refits
+    nothing: its cost does not grow with the run."""
+    from autooffload.decide import activations
+
+    layers = 36
+    plan = KeepPlanner()
+    plan.configure([1000] * layers, 4, None)
+    plan.longest_read_tokens = 10**6
+    for tokens in range(16, 5016):  # 5000 distinct lengths, each counted where the planner asks
+        if plan.wants(0, tokens, tokens):
+            for position in range(layers):
+                plan.measured(position, tokens, tokens, 30.0 * tokens + 0.5 * tokens * tokens)
+    assert all(len(model.samples) <= 8 * 9 for model in plan.layers)  # 8 per doubling of the length, 16 to 5016
+    saved = len(str(plan.state_dict()))
+    plan.count(0, 5999, 5999, 10**12, 0)  # each layer's fit, made once after its counts changed
+    fits = []
+    monkeypatch.setattr(activations, "_fit", lambda samples, fit=activations._fit: fits.append(1) or fit(samples))
+    for tokens in range(6000, 6100):  # lengths without a count of their own
+        plan.count(0, tokens, tokens, 10**12, 0)
+        plan.forward(tokens, tokens, 4, 0)
+        plan.end_step(None)
+    assert fits == []
+    more = KeepPlanner()
+    more.configure([1000] * layers, 4, None)
+    for tokens in range(16, 50016, 7):  # ten times the lengths, in the same span of buckets and beyond
+        for position in range(layers):
+            if more.layers[position].wants(tokens, tokens):
+                more.measured(position, tokens, tokens, 30.0 * tokens + 0.5 * tokens * tokens)
+    assert len(str(more.state_dict())) < 1.5 * saved
+
+
+def test_a_state_saved_with_a_sample_per_length_loads_one_per_bucket_and_plans_above_them():
+    layers = [{"samples": [[t, t, 30.0 * t + 0.5 * t * t] for t in range(64, 1064)], "cast_bytes": 0}] * 2
+    plan = KeepPlanner()
+    plan.load_state_dict({"layers": layers, "corrections": [[t, 100.0] for t in range(100, 1100)]})
+    assert len(plan.layers[0].samples) <= 8 * 4 + 1 and len(plan.corrections) <= 8 * 4 + 1
+    for t in range(64, 1064, 37):
+        assert plan.layer_bytes(1, t, t) >= 30.0 * t + 0.5 * t * t - 1e-6 * t * t
+        assert plan.extra(t) == 100.0
+
+
+def two_micro_batches(plan, long_plain, short_plain, short_keep):
+    """One optimizer step with gradient accumulation 2: a long micro-batch that keeps nothing, then a short one
+    that keeps ``short_keep`` layers (a backward after each)."""
+    plan.forward(1000, 1000, 0, long_plain)
+    plan.backward()
+    plan.forward(100, 100, short_keep, short_plain)
+    plan.backward()
+
+
+def test_a_miss_of_a_long_micro_batch_that_kept_nothing_is_not_charged_to_a_short_one_that_kept():
+    plan = planner()
+    plan.longest_read_tokens = 1000
+    assert plan.count(5000, 100, 100, 20_000, 0) == 4
+    # The step's peak is the long micro-batch's, above what the policy predicted for it: the short one's kept
+    # layers (4000 predicted, 4000 held) had nothing to do with it.
+    two_micro_batches(plan, long_plain=12_000.0, short_plain=5000.0, short_keep=4)
+    plan.end_step(14_000.0)
+    assert plan.corrections == {} and plan.misses == 0
+    assert plan.count(5000, 100, 100, 20_000, 0) == 4
+    # A long micro-batch that offloads is planned without an all-recompute peak of its own (the policy sized its
+    # offload): it may be the one at the peak, so a miss is not the short one's either, and the policy learns from
+    # the whole reading (nothing subtracted for the short one's kept layers).
+    plan.forward(1000, 1000, 0, None)
+    plan.backward()
+    plan.forward(100, 100, 4, 5000.0)
+    plan.backward()
+    plan.end_step(14_000.0)
+    assert plan.corrections == {} and plan.misses == 0 and plan.reading_kept_bytes == 0
+    # Where the short one kept and was the one predicted at the peak, its miss is its own.
+    two_micro_batches(plan, long_plain=5000.0, short_plain=8000.0, short_keep=4)
+    plan.end_step(14_000.0)
+    assert plan.extra(100) == 2000.0
+
+
+def test_a_correction_that_forbids_keep_decays_until_keep_is_tried_again():
+    plan = planner()
+    plan.longest_read_tokens = 1000
+    plan.forward(100, 100, 4, 5000.0)
+    plan.end_step(5000.0 + 4000.0 + 8000.0)  # an inflated reading: 8000 more per kept forward than counted
+    assert plan.extra(100) == 8000.0
+    assert plan.count(5000, 100, 100, 13_000, 0) == 0  # the correction forbids keep at 100 tokens, so no step
+    steps = 0  # there can test it again: every step runs it with nothing kept, and the reading is as predicted
+    while plan.count(5000, 100, 100, 13_000, 0) == 0 and steps < 20 * CALM_STEPS:
+        plan.forward(100, 100, 0, 5000.0)
+        plan.end_step(5000.0)
+        steps += 1
+    assert steps <= 3 * CALM_STEPS and plan.extra(100) < 8000.0
+    # Tried again, the readings show the counts were right: the rest of the correction eases away.
+    for _ in range(40):
+        keep = plan.count(5000, 100, 100, 13_000, 0)
+        plan.forward(100, 100, keep, 5000.0)
+        plan.end_step(5000.0 + keep * 1000.0)
+    assert plan.extra(100) == 0 and plan.count(5000, 100, 100, 13_000, 0) == 4

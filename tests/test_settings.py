@@ -44,7 +44,7 @@ def test_env_overrides_defaults_and_arguments_override_env():
             {"AUTOOFFLOAD_MEMORY_LOW": "-0.1"},
             r"AUTOOFFLOAD_MEMORY_LOW=-0.1 is not allowed: expected a fraction in \[0, 1\]",
         ),
-        ({"AUTOOFFLOAD_MEMORY_HIGH": "nan"}, r"AUTOOFFLOAD_MEMORY_HIGH=nan is not allowed"),
+        ({"AUTOOFFLOAD_MEMORY_HIGH": "nan"}, r"AUTOOFFLOAD_MEMORY_HIGH='nan' is not a number"),
         ({"AUTOOFFLOAD_SEQ_HIGH": "4k"}, r"AUTOOFFLOAD_SEQ_HIGH='4k' is not an integer"),
         ({"AUTOOFFLOAD_SEQ_HIGH": "0"}, r"AUTOOFFLOAD_SEQ_HIGH=0 is not allowed: expected an integer >= 1"),
         ({"AUTOOFFLOAD_MIN_STEPS": "-1"}, r"AUTOOFFLOAD_MIN_STEPS=-1 is not allowed: expected an integer >= 0"),
@@ -161,3 +161,59 @@ def test_offload_kwarg_values(value, mode):
 def test_offload_kwarg_rejects_other_values(value):
     with pytest.raises(SettingsError, match="offload="):
         offload_mode(value)
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("AUTOOFFLOAD_SEQ_HIGH", "\u0661\u0662"),  # Arabic-Indic digits: int() reads 12
+        ("AUTOOFFLOAD_SEQ_HIGH", "\uff11\uff12"),  # full-width digits: int() reads 12
+        ("AUTOOFFLOAD_SEQ_HIGH", "1_000"),
+        ("AUTOOFFLOAD_MIN_STEPS", "+1"),
+        ("AUTOOFFLOAD_MEMORY_HIGH", "9e-1"),
+        ("AUTOOFFLOAD_MEMORY_HIGH", "0_9"),
+        ("AUTOOFFLOAD_MEMORY_LOW", "\uff10.5"),
+        ("AUTOOFFLOAD_MEMORY_HIGH", "inf"),
+    ],
+)
+def test_numbers_are_read_only_in_their_documented_form(name, raw):
+    """Integers are ASCII digits and fractions decimals: int() and float() accept other scripts' digits,
+    underscores and a sign, which the README never promised (issue 31)."""
+    with pytest.raises(SettingsError, match=rf"{name}=.* is not (an integer|a number): write it in "):
+        Settings.from_env({name: raw})
+
+
+def test_a_host_memory_size_beyond_any_machine_is_refused():
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_HOST_MEMORY=.* is not allowed"):
+        Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": "9" * 400 + "GiB"})
+    assert Settings(host_memory="4096GiB").host_memory == "4096GiB"
+
+
+def test_a_negative_zero_is_not_a_documented_zero():
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_MEMORY_LOW=-0 is not allowed: expected a fraction in"):
+        Settings.from_env({"AUTOOFFLOAD_MEMORY_LOW": "-0"})
+    with pytest.raises(SettingsError, match=r"AUTOOFFLOAD_SEQ_LOW=-0 is not allowed: expected an integer >= 0"):
+        Settings.from_env({"AUTOOFFLOAD_SEQ_LOW": "-0"})
+    env = {"AUTOOFFLOAD_MEMORY_LOW": " 0 ", "AUTOOFFLOAD_SEQ_LOW": "00", "AUTOOFFLOAD_MEMORY_HIGH": ".9"}
+    s = Settings.from_env(env)
+    assert (s.memory_low, s.seq_low, s.memory_high) == (0.0, 0, 0.9)
+    assert str(s.memory_low) == "0.0"
+
+
+@pytest.mark.parametrize(
+    ("env", "arguments"),
+    [
+        ({"AUTOOFFLOAD_SEQ_HIGH": "9" * 100_000 + "x"}, {}),
+        ({"AUTOOFFLOAD_SEQ_HIGH": "9" * 100_000}, {}),
+        ({"AUTOOFFLOAD_MODE": "x" * 100_000}, {}),
+        ({"AUTOOFFLOAD_RESCUE": "y" * 100_000}, {}),
+        ({"AUTOOFFLOAD_NOPE": "z" * 100_000}, {}),
+        ({}, {"mode": "m" * 100_000}),
+        ({}, {"host_memory": "1" * 100_000 + "XiB"}),
+    ],
+)
+def test_a_long_bad_value_is_shortened_in_the_error(env, arguments):
+    with pytest.raises(SettingsError) as error:
+        Settings.from_env(env, **arguments)
+    message = str(error.value)
+    assert len(message) < 600 and "characters)" in message, message[:300]

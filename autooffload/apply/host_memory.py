@@ -6,13 +6,22 @@ rounded up to a 4 KiB page, then pinned with ``cudaHostRegister`` (what torch's 
 releasing one unregisters it and unmaps it, so the memory goes back to the operating system.
 
 - **Reuse.** A buffer given back waits in a free list (per device, so only copies on that device's stream
-  ever touch it, in order) and serves the next request it fits, the smallest first.
+  ever touch it, in order) and serves the next request it fits, the smallest first, where the budget holds it
+  beside what the micro-batch still expects to ask for (the controller says before each forward,
+  :meth:`HostMemory.expect`); otherwise a new buffer of the request's size is taken, the larger free ones
+  released first to make room. After a long micro-batch, short ones would otherwise borrow its large buffers one
+  input each, and the budget would be spent on a few of their inputs while the rest stayed on the device. Where
+  nobody says what a micro-batch expects, only a buffer at most ``SLACK`` times the request is lent.
 - **Budget.** The bytes held (in use and free) never exceed ``budget_bytes``: a request that would is
-  first met by releasing free buffers (all smaller than it, or one would have served it), and refused if
-  that is not enough; the caller keeps that tensor on the device. The controller plans under the same
-  budget, so a refusal is the exception (a first guess of the layer size that was too small).
-- **Host free memory.** A new buffer is taken only while the host keeps ``min_free`` of its memory free
-  after it. Buffers already held are reused without asking: they are not free memory, but they are ours.
+  first met by releasing free buffers (the oversized ones first, largest first, then the smaller ones), and
+  refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
+  :class:`~autooffload.apply.offload.OffloadStats` counts it). The controller plans under the same budget, so
+  a refusal is the exception (a first guess of the layer size that was too small).
+- **Host free memory.** A new buffer is taken only while ``min_free`` of the memory under the tightest limit on
+  this process stays free after it: the machine's, a container's (cgroup v2 ``memory.max``/``memory.high``, v1
+  ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
+  (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
+  already held are reused without asking: they are not free memory, but they are ours.
 - **Release.** A free buffer unused for ``release_after`` optimizer steps is released (offload off for a
   while, or sizes that no longer come), and so is every buffer when the manager itself goes. Before a
   release each device whose buffers go is drained once (all its streams), so no copy still in flight
@@ -29,27 +38,17 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from ..observe.host_limits import Limit, host_memory, machine_memory, read_limits, tightest
 from ..settings import PAGE, parse_host_memory
 from ..warn import WarnOnce
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 4
-
-
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory, from psutil, or /proc/meminfo where psutil is missing."""
-    try:
-        import psutil
-    except ImportError:
-        with open("/proc/meminfo") as meminfo:
-            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
-        return fields["MemAvailable"], fields["MemTotal"]
-    memory = psutil.virtual_memory()
-    return int(memory.available), int(memory.total)
+SLACK = 2  # without expect(): a free buffer serves a request of at least 1 / SLACK of its size
 
 
 LOCAL_SIZE_VARIABLES = (
@@ -72,16 +71,34 @@ def ranks_per_node() -> int:
     return 1
 
 
-def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = host_memory) -> int:
+def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = machine_memory) -> int:
     """Bytes of host memory the whole node may hold for offload, from ``AUTOOFFLOAD_HOST_MEMORY``.
 
-    A fraction is of total RAM; ``auto`` is half of what is available now (at start).
+    A fraction is of ``memory()``'s total; ``auto`` is half of what is available now (at start).
     """
     kind, value = parse_host_memory(setting)
     if kind == "bytes":
         return int(value)
     available, total = memory()
     return int(value * (available if kind == "auto" else total))
+
+
+def process_budget(setting: str, limits: list[Limit], ranks: int) -> tuple[int, str]:
+    """This process's share of host memory for offload, and the limit that set it.
+
+    The machine's and a container's limits are the node's, shared by its ``ranks``: the node's budget over them.
+    A process limit (``RLIMIT_AS``, ``RLIMIT_DATA``) is this process's own: the setting applies to it whole. A
+    size given in bytes is the node's as given (each new buffer is still checked against every limit).
+    """
+    kind, _ = parse_host_memory(setting)
+    if kind == "bytes":
+        return node_budget(setting) // ranks, "AUTOOFFLOAD_HOST_MEMORY"
+    candidates = []
+    for group, share in (([x for x in limits if x.shared], ranks), ([x for x in limits if not x.shared], 1)):
+        if group:
+            binding = tightest(group) if kind == "auto" else min(group, key=lambda x: x.total)
+            candidates.append((node_budget(setting, lambda b=binding: (b.available, b.total)) // share, binding.name))
+    return min(candidates)
 
 
 def page_round(nbytes: int) -> int:
@@ -126,6 +143,10 @@ def cuda_drain(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _size(buffer: HostBuffer) -> int:
+    return buffer.nbytes
+
+
 def _pinning_available() -> bool:
     return torch.cuda.is_available()
 
@@ -150,7 +171,8 @@ class HostMemory:
     ``budget_bytes``: this process's share; None until the controller sets it (no limit meanwhile).
     ``pin``: pin buffers (default: where CUDA is available). The functions are the hardware surface, and
     what tests replace: ``allocate(nbytes)`` a pageable buffer, ``register``/``unregister`` pin and unpin it
-    in place, ``drain(device)`` waits for that device before a release, ``memory()`` reads (available, total).
+    in place, ``drain(device)`` waits for that device before a release, ``memory()`` reads (available, total) under the
+    tightest limit, ``limits()`` every limit that applies (:mod:`autooffload.observe.host_limits`).
     """
 
     def __init__(
@@ -163,6 +185,7 @@ class HostMemory:
         unregister: Callable[[torch.Tensor], None] = cuda_unregister,
         drain: Callable[[torch.device], None] = cuda_drain,
         memory: Callable[[], tuple[int, int]] = host_memory,
+        limits: Callable[[], list[Limit]] = read_limits,
         min_free: float = MIN_FREE,
         release_after: int = RELEASE_AFTER_STEPS,
     ) -> None:
@@ -170,10 +193,15 @@ class HostMemory:
         self.pin = _pinning_available() if pin is None else pin
         self.allocate, self.register, self.unregister, self.drain = allocate, register, unregister, drain
         self.memory = memory
+        self.limits = limits
+        self.budget_source = "the caller"  # what set budget_bytes: a limit's name, or the setting
         self.min_free = min_free
         self.release_after = release_after
         self.pinning_failed = False
         self.held_bytes = 0
+        self.lent_bytes = 0  # held bytes on loan (the rest are free)
+        self._expected = 0  # bytes the running micro-batch is still expected to ask for (expect)
+        self._told = False  # expect() was called: larger free buffers are lent where the budget holds the rest
         self.pinned_bytes = 0
         self.peak_held_bytes = 0
         self.allocations = 0
@@ -183,29 +211,36 @@ class HostMemory:
         self._lock = threading.RLock()  # give() runs from finalizers, possibly inside take() on this thread
         self.warn = WarnOnce()
 
-    def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
-        """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short."""
+    def expect(self, sizes: Iterable[int]) -> None:
+        """The micro-batch about to run will ask for buffers of these sizes (its planned layers' inputs, which the
+        controller capped at what the budget holds): a free buffer larger than a request is lent only where the
+        rest of them still fit beside it."""
         with self._lock:
-            free = self._free.get(device, [])
-            fits = [buffer for buffer in free if buffer.nbytes >= nbytes]
-            if fits:
-                buffer = min(fits, key=lambda b: b.nbytes)
-                free.remove(buffer)
-                buffer.last_step = self.step
-                return buffer
+            self._expected = sum(page_round(n) for n in sizes)
+            self._told = True
+
+    def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
+        """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short.
+
+        The smallest free buffer that fits serves it where the budget holds that buffer beside what the micro-batch
+        still expects (:meth:`expect`; without it, only a buffer at most ``SLACK`` times the request); otherwise a
+        new buffer of the request's size, room under the budget made by releasing free buffers, the oversized ones
+        first; a larger free one is lent still where no new buffer can be had (the host is short, or allocating
+        failed). Lent to a short micro-batch's small input, a long one's buffer would hold the budget its other
+        inputs need."""
+        with self._lock:
             size = page_round(nbytes)
-            if self.budget_bytes is not None and self.held_bytes + size > self.budget_bytes:
-                self._release([b for bs in self._free.values() for b in sorted(bs, key=lambda b: b.nbytes)], size)
-            if self.budget_bytes is not None and self.held_bytes + size > self.budget_bytes:
-                self.warn(
-                    "host-budget",
-                    f"the host memory budget ({self.budget_bytes / 2**20:.1f} MiB for this process, "
-                    f"AUTOOFFLOAD_HOST_MEMORY) is full ({self.held_bytes / 2**20:.1f} MiB held); saved inputs "
-                    "that do not fit stay on the device",
-                )
-                return None
+            self._expected = expected = max(self._expected - size, 0)  # what this micro-batch asks for after this
+            free = self._free.get(device, [])
+            fits = sorted((b for b in free if b.nbytes >= nbytes), key=_size)
+            budget = self.budget_bytes
+            snug = fits and (self._told or fits[0].nbytes <= SLACK * size)
+            if snug and (budget is None or self.lent_bytes + fits[0].nbytes + expected <= budget):
+                return self._lend(fits[0])
             available, total = self.memory()
             if available - size < self.min_free * total:
+                if fits:
+                    return self._lend(fits[0])  # not free memory, but ours to hand out
                 self.warn(
                     "host-short",
                     f"host memory is short ({available / 2**30:.1f} GiB available of {total / 2**30:.1f} GiB, "
@@ -213,17 +248,47 @@ class HostMemory:
                     "already held stay on the device",
                 )
                 return None
-            return self._new(size, device)
+            if budget is not None and self.held_bytes + size > budget:
+                smaller = sorted((b for bs in self._free.values() for b in bs if b.nbytes < nbytes), key=_size)
+                oversized = sorted((b for bs in self._free.values() for b in bs if b.nbytes >= nbytes), key=_size)
+                self._release([*reversed(oversized), *smaller], size)
+            if budget is not None and self.held_bytes + size > budget:
+                self.warn(
+                    "host-budget",
+                    f"the host memory budget ({budget / 2**20:.1f} MiB for this process, "
+                    f"AUTOOFFLOAD_HOST_MEMORY) is full ({self.held_bytes / 2**20:.1f} MiB held); saved inputs "
+                    "that do not fit stay on the device",
+                )
+                return None
+            buffer = self._new(size, device)
+            if buffer is None and fits and fits[0] in free:
+                return self._lend(fits[0])
+            return buffer
+
+    def _lend(self, buffer: HostBuffer) -> HostBuffer:
+        self._free[buffer.device].remove(buffer)
+        buffer.last_step = self.step
+        self.lent_bytes += buffer.nbytes
+        return buffer
 
     def set_budget(self, setting: str) -> None:
-        """This process's share of the node's budget (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``), unless one is set."""
+        """This process's share of host memory for offload (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``) under every
+        limit that applies (:func:`process_budget`), unless a budget is set."""
         if self.budget_bytes is None:
-            self.budget_bytes = node_budget(setting) // ranks_per_node()
+            self.budget_bytes, self.budget_source = process_budget(setting, self.limits(), ranks_per_node())
+
+    def describe(self, setting: str) -> str:
+        """The budget, for the log line at attach (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``)."""
+        return (
+            f"host memory budget {(self.budget_bytes or 0) / 2**20:.1f} MiB for this rank (AUTOOFFLOAD_HOST_MEMORY="
+            f"{setting} over {ranks_per_node()} rank(s) of the node, set by {self.budget_source})"
+        )
 
     def give(self, buffer: HostBuffer) -> None:
         """Return a buffer; only later copies on its device's stream may touch it (the caller's rule)."""
         with self._lock:
             buffer.last_step = self.step
+            self.lent_bytes -= buffer.nbytes
             self._free.setdefault(buffer.device, []).append(buffer)
 
     def end_step(self) -> None:
@@ -257,6 +322,7 @@ class HostMemory:
         buffer = HostBuffer(tensor, pinned, device, self.step)
         self.allocations += 1
         self.held_bytes += size
+        self.lent_bytes += size
         self.pinned_bytes += size if pinned else 0
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         return buffer

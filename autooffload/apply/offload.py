@@ -25,20 +25,40 @@ from .host_memory import HostBuffer, HostMemory
 
 @dataclasses.dataclass
 class OffloadStats:
-    """Bytes moved to host memory: in the current optimizer step, and since training began."""
+    """Bytes moved to host memory: in the current optimizer step, and since training began; and bytes an engine
+    was to move but kept on the device for want of host memory (the budget full, the host short, an allocation
+    failed), with the planned layers they belong to in the running micro-batch (``layer``: the layer whose
+    offloading call is packing, which the switch sets before the call)."""
 
     step_bytes: int = 0
     total_bytes: int = 0
     tensors: int = 0
+    step_short_bytes: int = 0
+    short_bytes: int = 0
+    layer: int | None = None
+    short_layers: set[int] = dataclasses.field(default_factory=set)
 
     def add(self, nbytes: int) -> None:
         self.step_bytes += nbytes
         self.total_bytes += nbytes
         self.tensors += 1
 
+    def short(self, nbytes: int) -> None:
+        """A saved input of ``nbytes`` stays on the device: no host buffer could take it."""
+        self.step_short_bytes += nbytes
+        self.short_bytes += nbytes
+        if self.layer is not None:
+            self.short_layers.add(self.layer)
+
+    def take_short_layers(self) -> set[int]:
+        """The planned layers that kept an input on the device since the last take (one micro-batch)."""
+        layers, self.short_layers = self.short_layers, set()
+        return layers
+
     def next_step(self) -> int:
-        """Close the step: return its bytes and start counting the next one."""
-        moved, self.step_bytes = self.step_bytes, 0
+        """Close the step: return its bytes moved and start counting the next one (its bytes kept short too)."""
+        moved = self.step_bytes
+        self.step_bytes = self.step_short_bytes = 0
         return moved
 
 
@@ -90,6 +110,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                 return tensor.device, tensor.to("cpu", copy=True), None
             buffer = host.take(nbytes, tensor.device)
             if buffer is None:
+                stats.short(nbytes)
                 return tensor.device, tensor, None
             stats.add(nbytes)
             view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)

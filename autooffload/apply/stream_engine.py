@@ -356,6 +356,7 @@ class StreamEngine:
         nbytes = storage.nbytes()
         lease = self.pool.take(nbytes, device)
         if lease is None:
+            self.stats.short(nbytes)
             return None
         source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         compute = self.streams.current(device)

@@ -60,6 +60,12 @@ def _plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | N
     return checkpoint_plain
 
 
+@torch.compiler.disable
+def _packing(stats: OffloadStats, position: int) -> None:
+    """The engine's hooks run for layer ``position`` next: an input it cannot move is that layer's."""
+    stats.layer = position
+
+
 def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
     def checkpoint_layer_call(function, *args, **call_kwargs):
         return calls.next()(function, *args, **call_kwargs)
@@ -68,7 +74,12 @@ def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
 
 
 def _offload_function(
-    kwargs: dict[str, Any], engine: OffloadEngine, last: bool, forward: ForwardState, position: int
+    kwargs: dict[str, Any],
+    engine: OffloadEngine,
+    last: bool,
+    forward: ForwardState,
+    position: int,
+    stats: OffloadStats,
 ) -> Callable[..., Any]:
     counted = forward.counter(position)
 
@@ -76,6 +87,7 @@ def _offload_function(
         inputs = forward.claim(counted(args))
         if not inputs:
             return checkpoint(function, *args, **kwargs, **call_kwargs)
+        _packing(stats, position)
         with engine.hooks(last, inputs):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
@@ -141,7 +153,9 @@ class CheckpointSwitch:
             for i, s in enumerate(self.layers)
         ]
         self._offload = [
-            self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i), s.target)
+            self._tag(
+                _offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i, stats), s.target
+            )
             for i, s in enumerate(self.layers)
         ]
         self.forward.on_first_call = self._first_call
@@ -177,6 +191,7 @@ class CheckpointSwitch:
                 self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
+        self._functions: list[Callable[..., Any] | None] = [None] * len(self.layers)  # installed, per position
         self.offloaded = -1
         self.kept = 0
         self.measuring = False
@@ -210,6 +225,9 @@ class CheckpointSwitch:
             else:
                 plain = self._plain_measured[position] if measure else self._plain_layer[position]
                 function = self._offload[position] if position in offloading else plain
+            if self._functions[position] is function:
+                continue
+            self._functions[position] = function
             calls = self._calls.get(id(slot.target))
             if calls is not None:
                 calls.functions[slot.index] = function
@@ -336,6 +354,7 @@ class CheckpointSwitch:
         for target in self.targets:
             setattr(target.module, target.attribute, target.original)
         self.offloaded, self.kept, self.measuring = -1, 0, False
+        self._functions = [None] * len(self.layers)
 
 
 def install_plain(model: torch.nn.Module) -> None:

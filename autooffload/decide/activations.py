@@ -24,6 +24,7 @@ elsewhere. Pure: no torch, no clock, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 # Hyper-connection models carry several residual streams through every layer (input [batch, seq, streams,
@@ -89,6 +90,17 @@ def _int(config: Any, name: str, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
+# Lengths are measured per bucket of sequence lengths, this many buckets per doubling (about 9% wide): the
+# model's state and a decision's cost stay bounded however many distinct lengths a run meets (padding-free and
+# packed batches make thousands), and one count per bucket is all the fit needs.
+BUCKETS_PER_OCTAVE = 8
+
+
+def length_bucket(length: int) -> int:
+    """The bucket of a length: ``floor(log2(length) x BUCKETS_PER_OCTAVE)`` (-1 for no tokens)."""
+    return math.floor(math.log2(length) * BUCKETS_PER_OCTAVE) if length > 0 else -1
+
+
 class KeptLayerModel:
     """Bytes one kept layer adds for a micro-batch of ``tokens`` (batch x seq) at sequence length ``seq``.
 
@@ -97,7 +109,9 @@ class KeptLayerModel:
     Measurements are exact counts, so the fit through them is exact where the layer's saves are a constant plus
     terms linear in tokens and in tokens x seq; a length between or beyond those measured is read off the fit,
     and never below the seed scaled by the largest measured-to-seed ratio, so one measurement already corrects
-    the seed.
+    the seed. One measurement is kept per bucket of sequence lengths (:func:`length_bucket`): of two in one
+    bucket, the one that needs more bytes per token (what the fit must stay above). The fit is computed once
+    per change, not per prediction.
     """
 
     def __init__(self, seed: LayerShape | None = None, weights: int = 0, weight_bytes: int = 0) -> None:
@@ -105,7 +119,9 @@ class KeptLayerModel:
         self.weights = weights
         self.weight_bytes = weight_bytes
         self.cast_bytes: int | None = None  # the autocast dtype's bytes at the last measurement; 0: none
-        self.samples: dict[tuple[int, int], float] = {}  # (tokens, seq) -> bytes measured
+        self.samples: dict[tuple[int, int], float] = {}  # (tokens, seq) -> bytes measured, one per seq bucket
+        self._buckets: dict[int, tuple[int, int]] = {}  # seq bucket -> its sample's key
+        self._fitted: tuple[Any, list[tuple[float, float]]] | None = None  # (what it was for, the forms)
 
     @property
     def constant(self) -> float:
@@ -115,14 +131,26 @@ class KeptLayerModel:
         return float(self.weights * self.cast_bytes) if self.cast_bytes < self.weight_bytes else 0.0
 
     def wants(self, tokens: int, seq: int) -> bool:
-        """True when no measurement exists at this length: the layer should be counted the next time it keeps."""
-        return tokens > 0 and (tokens, seq) not in self.samples
+        """True when no measurement exists in this length's bucket: the layer should be counted the next time it
+        keeps."""
+        return tokens > 0 and length_bucket(seq) not in self._buckets
 
     def add(self, tokens: int, seq: int, nbytes: float, cast_bytes: int = 0) -> None:
         """A count of what the layer saved at this length; ``cast_bytes``: the autocast dtype's bytes (0: off)."""
-        if tokens > 0:
-            self.cast_bytes = max(cast_bytes, self.cast_bytes or 0)
-            self.samples[(tokens, seq)] = max(float(nbytes), self.samples.get((tokens, seq), 0.0))
+        if tokens <= 0:
+            return
+        self.cast_bytes = max(cast_bytes, self.cast_bytes or 0)
+        key, bucket = (tokens, seq), length_bucket(seq)
+        value = max(float(nbytes), self.samples.get(key, 0.0))
+        held = self._buckets.get(bucket)
+        if held is not None and held != key:
+            constant = self.constant
+            if (value - constant) / tokens < (self.samples[held] - constant) / held[0]:
+                return  # the bucket's sample needs more per token: the fit stays above this one too
+            del self.samples[held]
+        self.samples[key] = value
+        self._buckets[bucket] = key
+        self._fitted = None
 
     @property
     def measured(self) -> bool:
@@ -130,40 +158,57 @@ class KeptLayerModel:
 
     def predict(self, tokens: int, seq: int) -> float | None:
         """Bytes this kept layer adds at this length; None when there is neither a measurement nor a seed."""
-        if (tokens, seq) in self.samples:
-            return self.samples[(tokens, seq)]
-        variable = self.variable(tokens, seq)
-        return None if variable is None else self.constant + variable
+        measured = self.samples.get((tokens, seq))
+        if measured is not None:
+            return measured
+        constant = self.constant
+        forms = self._forms(constant)
+        return constant + max(a * tokens + b * (tokens * seq) for a, b in forms) if forms else None
 
     def variable(self, tokens: int, seq: int) -> float | None:
         """The part that grows with the tokens (the prediction less the constant)."""
         constant = self.constant
+        if (tokens, seq) in self.samples:
+            return max(self.samples[(tokens, seq)] - constant, 0.0)
+        forms = self._forms(constant)
+        return max(a * tokens + b * (tokens * seq) for a, b in forms) if forms else None
+
+    def _forms(self, constant: float) -> list[tuple[float, float]]:
+        """The candidates of a prediction away from the samples, each ``a x tokens + b x tokens x seq``: the fit
+        through the samples, else the seed scaled by the largest measured-to-seed ratio (the seed itself before a
+        measurement), else the most bytes per token measured. Computed once per change of the samples, the
+        constant or the seed, so that a prediction costs the same however many lengths were measured."""
+        basis = (constant, self.seed)
+        if self._fitted is not None and self._fitted[0] == basis:
+            return self._fitted[1]
         samples = {key: max(y - constant, 0.0) for key, y in self.samples.items()}
-        if (tokens, seq) in samples:
-            return samples[(tokens, seq)]
-        candidates = []
+        forms = []
         fit = _fit(samples)
         if fit is not None:
-            a, b = fit
-            candidates.append(a * tokens + b * tokens * seq)
+            forms.append(fit)
         if self.seed is not None:
-            seed = self.seed.bytes(tokens, seq)
+            per_token, per_position = self.seed.bytes_per_token(), self.seed.bytes_per_token_and_position()
             ratios = [y / self.seed.bytes(t, s) for (t, s), y in samples.items() if self.seed.bytes(t, s) > 0]
-            if ratios and fit is None:
-                candidates.append(seed * max(ratios))
-            elif not ratios:
-                candidates.append(seed)
-        if not candidates and samples:
-            per_token = max(y / t for (t, _), y in samples.items())
-            candidates.append(per_token * tokens)
-        return max(candidates) if candidates else None
+            if not ratios:
+                forms.append((per_token, per_position))
+            elif fit is None:
+                forms.append((per_token * max(ratios), per_position * max(ratios)))
+        if not forms and samples:
+            forms.append((max(y / t for (t, _), y in samples.items()), 0.0))
+        self._fitted = (basis, forms)
+        return forms
 
     def state_dict(self) -> dict[str, Any]:
         return {"samples": [[t, s, y] for (t, s), y in self.samples.items()], "cast_bytes": self.cast_bytes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.samples = {(int(t), int(s)): float(y) for t, s, y in state.get("samples", [])}
+        """A state from :meth:`state_dict`; one saved before the buckets (a sample per length) keeps, per bucket,
+        the sample that needs the most per token."""
         cast = state.get("cast_bytes")
+        self.cast_bytes = None if cast is None else int(cast)
+        self.samples, self._buckets, self._fitted = {}, {}, None
+        for t, s, y in state.get("samples", []):
+            self.add(int(t), int(s), float(y), self.cast_bytes or 0)
         self.cast_bytes = None if cast is None else int(cast)
 
 

@@ -18,24 +18,35 @@ reading (:meth:`~KeepPlanner.end_step`). Three things make its plan right by con
   nothing (the all-recompute peak is only known up to there).
 
 And the reading corrects it (closed loop): after every clean step that kept layers, the reading is compared
-with the plan's prediction (the all-recompute peak plus the kept bytes of the forwards alive together). An
-under-prediction adds what the reading showed missing to every kept forward at that length and at nearby ones
-(half to twice the tokens), before the next micro-batch (a constant: what the layers' counts cannot see, an
-attention mask the kept layers save and the checkpointed ones only reference, lies outside any one layer);
-an under-prediction where a correction already applied widens the margin by one more margin (up to
-``MISS_LIMIT``). A correction is eased half way back towards what the readings show after every clean step
-that kept without a miss, and the margin narrows again after ``CALM_STEPS`` of them: keep never stays off for
-good because of one inflated sample. The reading the policy learns from is the step's
-less what the corrected model says its kept layers added. Pure: no torch, no clock, no I/O.
+with the plan's prediction (the all-recompute peak plus the kept bytes of the forwards alive together). A miss
+(the reading above it) is charged to the micro-batch that caused it, the forwards alive together that the plan
+predicted highest: where those kept nothing, the all-recompute peak was short, which the policy learns from the
+reading, and keep is not corrected (with gradient accumulation a long micro-batch that kept nothing otherwise
+charged its miss to a short one that kept layers). A miss charged to a forward that kept adds what the reading
+showed missing to every kept forward at that length and at nearby ones (half to twice the tokens), before the
+next micro-batch (a constant: what the layers' counts cannot see, an attention mask the kept layers save and the
+checkpointed ones only reference, lies outside any one layer); a miss where a correction already applied widens
+the margin by one more margin (up to ``MISS_LIMIT``). A correction is eased half way back towards what the
+readings show after every clean step that kept at its lengths without a miss, and one that no clean step tests
+(it forbids keep at its lengths, so none keeps there) halves every ``CALM_STEPS`` clean steps until keep is tried
+there again; the margin narrows again after ``CALM_STEPS`` clean steps without a miss: keep never stays off for
+good because of one inflated sample. The reading the policy learns from is the step's less what the corrected
+model says its kept layers added.
+
+Bounded, however long the run and however many distinct lengths it meets: one measurement per layer and bucket
+of sequence lengths (:func:`~autooffload.decide.activations.length_bucket`), one correction per bucket of
+tokens, and a decision that sizes each layer once (O(layers), each from a fit computed once per measurement).
+Pure: no torch, no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from . import ladder
-from .activations import KeptLayerModel, LayerShape
+from .activations import KeptLayerModel, LayerShape, length_bucket
 
 MISS_LIMIT = 4  # the margin grows to at most (1 + MISS_LIMIT) margins after repeated under-predictions
 CALM_STEPS = 16  # clean steps that kept without a miss before the margin narrows by one
@@ -44,6 +55,8 @@ REACH = 2.0  # a correction at t tokens applies from t / REACH to t x REACH toke
 # A reading above the prediction by less than this fraction of it is the prediction (a peak predicted to the byte
 # in floating point, or the all-recompute fit moving by a few bytes as it learns), not an under-prediction.
 MISS_TOLERANCE = 1e-3
+# A correction that no clean step tested for CALM_STEPS is halved; below this many bytes it is dropped.
+CORRECTION_FLOOR = 4096.0
 
 
 @dataclasses.dataclass
@@ -66,6 +79,7 @@ class KeepPlanner:
         self.layers: list[KeptLayerModel] = []
         self.alive = 1  # forwards alive together before one backward: the most over the recent steps
         self.corrections: dict[int, float] = {}  # tokens -> bytes a kept forward adds beyond the layers' counts
+        self._untested: dict[int, int] = {}  # tokens of a correction -> clean steps since one tested it
         self.misses = 0  # under-predictions not yet calmed: each widens the margin by one margin
         self.calm = 0
         self.longest_read_tokens = 0
@@ -73,6 +87,8 @@ class KeepPlanner:
         self._recent_alive: list[int] = []
         self._group: list[Forward] = []  # forwards since the last backward
         self._groups: list[list[Forward]] = []  # this step's closed groups
+        self._version = 0  # counts changes of the layers' models: the sizes of a length are cached until one
+        self._costs: tuple[int, int, int, list[float | None]] | None = None  # (version, tokens, seq, per layer)
 
     # ---- the model --------------------------------------------------------------------------------------
 
@@ -83,48 +99,63 @@ class KeepPlanner:
             self.layers = [KeptLayerModel() for _ in weights]
         for model, count in zip(self.layers, weights, strict=True):
             model.seed, model.weights, model.weight_bytes = seed, count, weight_bytes
+        self._version += 1
 
     @property
     def samples(self) -> dict[tuple[int, int, int], float]:
         """Every measurement: (layer, tokens, seq) -> bytes."""
         return {(i, t, s): y for i, m in enumerate(self.layers) for (t, s), y in m.samples.items()}
 
+    def layer_costs(self, tokens: int, seq: int) -> list[float | None]:
+        """What keeping each layer adds at this length, before corrections; None where nothing is known.
+
+        A layer not measured yet costs the most any measured layer costs at this length, scaled up by its share of
+        matrix weights, and never less than its seed. Computed once per length and change of the models."""
+        cached = self._costs
+        if cached is not None and cached[:3] == (self._version, tokens, seq):
+            return cached[3]
+        own = [model.predict(tokens, seq) for model in self.layers]
+        pairs = zip(own, self.layers, strict=True)
+        known = [(max(c - m.constant, 0.0), m.weights) for c, m in pairs if m.measured and c is not None]
+        most = max((v for v, _ in known), default=None)
+        most_per_weight = max((v / w for v, w in known if w), default=None)
+        costs = list(own)
+        for position, model in enumerate(self.layers):
+            if model.measured or most is None:
+                continue
+            borrowed = most
+            if model.weights and most_per_weight is not None:
+                borrowed = max(most, model.weights * most_per_weight)
+            costs[position] = max(model.constant + borrowed, own[position] or 0.0)
+        self._costs = (self._version, tokens, seq, costs)
+        return costs
+
     def layer_bytes(self, position: int, tokens: int, seq: int) -> float | None:
         """What keeping layer ``position`` adds at this length, before corrections; None when nothing is known."""
-        model = self.layers[position]
-        if model.measured:
-            return model.predict(tokens, seq)
-        candidates = [model.predict(tokens, seq)]
-        for other in self.layers:
-            if other.measured:
-                variable = other.variable(tokens, seq)
-                scale = max(1.0, model.weights / other.weights) if model.weights and other.weights else 1.0
-                candidates.append(None if variable is None else model.constant + scale * variable)
-        known = [value for value in candidates if value is not None]
-        return max(known) if known else None
+        return self.layer_costs(tokens, seq)[position]
 
     def extra(self, tokens: int) -> float:
         """The bytes per kept forward the readings showed missing at this length or a nearby one (0: none)."""
-        near = [extra for t, extra in self.corrections.items() if t / REACH <= tokens <= t * REACH]
-        return max(near, default=0.0)
+        return max((extra for t, extra in self.corrections.items() if _reaches(t, tokens)), default=0.0)
 
     def kept_bytes(self, keep: int, tokens: int, seq: int) -> float | None:
         """What keeping the last ``keep`` layers adds for one forward at this length, corrections included."""
         if keep <= 0:
             return 0.0
-        values = [self.layer_bytes(p, tokens, seq) for p in range(len(self.layers) - keep, len(self.layers))]
+        values = self.layer_costs(tokens, seq)[len(self.layers) - keep :]
         if any(value is None for value in values):
             return None
         return sum(values) + self.extra(tokens)  # type: ignore[arg-type]
 
     def wants(self, first: int, tokens: int, seq: int) -> bool:
-        """Whether a layer from ``first`` on (those not offloaded) has no measurement at this length: count them
-        this time (kept or recomputing, each layer's count is what it keeps without checkpointing)."""
+        """Whether a layer from ``first`` on (those not offloaded) has no measurement at this length's bucket:
+        count them this time (kept or recomputing, each layer's count is what it keeps without checkpointing)."""
         return any(model.wants(tokens, seq) for model in self.layers[first:])
 
     def measured(self, position: int, tokens: int, seq: int, nbytes: float, cast_bytes: int = 0) -> None:
         if 0 <= position < len(self.layers):
             self.layers[position].add(tokens, seq, nbytes, cast_bytes)
+            self._version += 1
 
     # ---- the plan -------------------------------------------------------------------------------------
 
@@ -148,12 +179,13 @@ class KeepPlanner:
             return 0
         held = sum(f.kept_bytes for f in self._group) + self.beyond()
         expected = max(self.alive - len(self._group), 1)
-        cumulative = []
-        for keep in range(1, len(self.layers) + 1):
-            added = self.kept_bytes(keep, tokens, seq)
-            if added is None:
+        extra = self.extra(tokens)
+        cumulative, added = [], 0.0
+        for cost in reversed(self.layer_costs(tokens, seq)):
+            if cost is None:
                 break
-            cumulative.append(expected * added)
+            added += cost
+            cumulative.append(expected * (added + extra))
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + held, cumulative, len(self.layers), limit, widened, levels)
 
@@ -197,12 +229,12 @@ class KeepPlanner:
         if reading is not None and groups:
             self.longest_read_tokens = max(self.longest_read_tokens, max(f.tokens for g in groups for f in g))
         predicted = [(self._predicted(g), g) for g in groups]
-        predicted = [(total, g) for total, g in predicted if total is not None]
-        kept = [(total, g) for total, g in predicted if any(f.keep for f in g)]
-        if reading is not None and clean and kept:
-            self._compare(reading, max(total for total, _ in predicted), kept)
-        peak = max(predicted, key=lambda entry: entry[0], default=None)
-        self.reading_kept_bytes = self._kept_now(peak[1]) if peak is not None else 0.0
+        if reading is not None and clean and predicted:
+            self._age_corrections(self._compare(reading, predicted))
+        # The forwards the plan expected at the peak; one planned without a prediction (an offloading or a longer
+        # micro-batch than any reading covered) may hold it: then what the kept ones added is not subtracted.
+        peak = max(predicted, key=_highest, default=None)
+        self.reading_kept_bytes = self._kept_now(peak[1]) if peak is not None and peak[0] is not None else 0.0
 
     @staticmethod
     def _predicted(group: list[Forward]) -> float | None:
@@ -210,27 +242,71 @@ class KeepPlanner:
         beyond = max((f.beyond for f in group), default=0.0)
         return max(plains) + sum(f.kept_bytes for f in group) + beyond if plains else None
 
-    def _compare(self, reading: float, predicted: float, kept: list[tuple[float, list[Forward]]]) -> None:
-        total, group = max(kept, key=lambda entry: entry[0])
-        tokens = max(f.tokens for f in group)
-        forwards = sum(1 for f in group if f.keep)
-        used = self.extra(tokens)
-        shown = used + (reading - total) / forwards  # the bytes per kept forward this reading needed at most
-        if reading > predicted * (1 + MISS_TOLERANCE):
-            if used > 0:
-                self.misses = min(self.misses + 1, MISS_LIMIT)
-            self.corrections[tokens] = max(self.corrections.get(tokens, 0.0), shown)
-            self.calm = 0
-            return
+    def _compare(self, reading: float, predicted: list[tuple[float | None, list[Forward]]]) -> set[int]:
+        """Compare a clean reading with the plan of a step; returns the corrections it tested (those reaching the
+        tokens of a forward that kept). The reading is at least the peak of every group of forwards alive together:
+        a miss is the group's the plan predicted highest (a group planned without a prediction, an offloading
+        micro-batch, may be that one: then nothing is charged and nothing eased). Without a miss, each group that
+        kept shows at most what its kept forwards needed, and the corrections reaching it ease towards that."""
+        kept = [(total, g) for total, g in predicted if any(f.keep for f in g)]
+        if not kept:
+            return set()
+        tested = {t for t in self.corrections for _, g in kept for f in g if f.keep and _reaches(t, f.tokens)}
+        total, group = max(predicted, key=_highest)
+        if total is None:
+            return tested
+        if reading > total * (1 + MISS_TOLERANCE):
+            if any(f.keep for f in group):  # else the all-recompute peak was short: the policy's to learn
+                tokens, forwards = max(f.tokens for f in group), sum(1 for f in group if f.keep)
+                used = self.extra(tokens)
+                if used > 0:
+                    self.misses = min(self.misses + 1, MISS_LIMIT)
+                self._correct(tokens, used + (reading - total) / forwards)
+                self.calm = 0
+            return tested
         self.calm += 1
         if self.misses and self.calm >= CALM_STEPS:
             self.misses, self.calm = self.misses - 1, 0
-        if tokens in self.corrections:
-            eased = (self.corrections[tokens] + max(shown, 0.0)) / 2
+        shown: dict[int, float] = {}
+        for total, g in kept:
+            tokens, forwards = max(f.tokens for f in g), sum(1 for f in g if f.keep)
+            needed = max(self.extra(tokens) + (reading - total) / forwards, 0.0)  # type: ignore[operator]
+            for t in self.corrections:
+                if _reaches(t, tokens):
+                    shown[t] = max(shown.get(t, 0.0), needed)  # at most what the group needed, per kept forward
+        for t, needed in shown.items():
+            eased = (self.corrections[t] + min(needed, self.corrections[t])) / 2
             if eased < 1.0:
-                del self.corrections[tokens]
+                self._drop(t)
             else:
-                self.corrections[tokens] = eased
+                self.corrections[t] = eased
+        return tested
+
+    def _correct(self, tokens: int, shown: float) -> int:
+        """Raise the correction at ``tokens`` (or the one in its bucket) to at least ``shown``; returns its key."""
+        bucket = length_bucket(tokens)
+        key = next((t for t in self.corrections if length_bucket(t) == bucket), tokens)
+        self.corrections[key] = max(self.corrections.get(key, 0.0), shown)
+        self._untested[key] = 0
+        return key
+
+    def _age_corrections(self, tested: set[int]) -> None:
+        """A clean step ended: a correction it did not test halves every ``CALM_STEPS`` such steps, so that one
+        which forbids keep at its lengths (and so is never tested there) does not forbid it for good."""
+        for t in list(self.corrections):
+            if t in tested:
+                self._untested[t] = 0
+                continue
+            self._untested[t] = self._untested.get(t, 0) + 1
+            if self._untested[t] >= CALM_STEPS:
+                self._untested[t] = 0
+                self.corrections[t] /= 2
+                if self.corrections[t] < CORRECTION_FLOOR:
+                    self._drop(t)
+
+    def _drop(self, tokens: int) -> None:
+        del self.corrections[tokens]
+        self._untested.pop(tokens, None)
 
     def _kept_now(self, group: list[Forward]) -> float:
         """What the group's kept layers added, by the model as corrected now."""
@@ -242,7 +318,7 @@ class KeepPlanner:
         return {
             "layers": [model.state_dict() for model in self.layers],
             "alive": self._recent_alive,
-            "corrections": [[t, f] for t, f in self.corrections.items()],
+            "corrections": [[t, f, self._untested.get(t, 0)] for t, f in self.corrections.items()],
             "misses": self.misses,
             "calm": self.calm,
             "longest_read_tokens": self.longest_read_tokens,
@@ -250,8 +326,9 @@ class KeepPlanner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A state from :meth:`state_dict`; one from before per-layer models (a single ``samples`` list) keeps its
-        reading's facts and measures again."""
+        """A state from :meth:`state_dict`, or from an earlier release: one from before per-layer models (a single
+        ``samples`` list) keeps its reading's facts and measures again; one from before the buckets (a sample per
+        length, a correction per length) keeps one per bucket."""
         layers = state.get("layers")
         if layers is not None:
             self.layers = [KeptLayerModel() for _ in layers]
@@ -259,8 +336,21 @@ class KeepPlanner:
                 model.load_state_dict(saved)
         self._recent_alive = [int(n) for n in state.get("alive", [])]
         self.alive = max(self._recent_alive, default=1)
-        self.corrections = {int(t): float(f) for t, f in state.get("corrections", [])}
+        self.corrections, self._untested = {}, {}
+        for t, f, *untested in state.get("corrections", []):
+            self._untested[self._correct(int(t), float(f))] = int(untested[0]) if untested else 0
         self.misses = int(state.get("misses", 0))
         self.calm = int(state.get("calm", 0))
         self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
         self.reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
+        self._version += 1
+
+
+def _highest(entry: tuple[float | None, list[Forward]]) -> float:
+    """Orders groups by their predicted peak; one without a prediction first (it may hold the peak)."""
+    return math.inf if entry[0] is None else entry[0]
+
+
+def _reaches(correction_tokens: int, tokens: int) -> bool:
+    """A correction at ``correction_tokens`` applies to ``tokens`` (from half to twice them: ``REACH``)."""
+    return correction_tokens / REACH <= tokens <= correction_tokens * REACH

@@ -66,42 +66,71 @@ class PeakModel:
     """Samples of a step's peak with nothing offloaded, and the prediction for a micro-batch's tokens.
 
     ``window``: how many recent samples are kept. ``margin``: the share added per token beyond the longest
-    length seen.
+    length seen. What a prediction reads of the samples (the fit, the longest and the exact span, the upper line
+    for a slope) is computed once per change of the samples, not per prediction: a decision costs the same
+    however long the run.
     """
 
     def __init__(self, window: int = 256, margin: float = EXTRAPOLATION_MARGIN) -> None:
         self.window = window
         self.margin = margin
-        self.samples: list[tuple[int, float, bool]] = []  # tokens, peak as if nothing offloaded, exact
+        self.samples = []
+
+    @property
+    def samples(self) -> list[tuple[int, float, bool]]:
+        """(tokens, peak as if nothing offloaded, exact), oldest first; assign a new list to replace them."""
+        return self._samples
+
+    @samples.setter
+    def samples(self, samples: list[tuple[int, float, bool]]) -> None:
+        self._samples = samples
+        self._changed()
 
     def add(self, tokens: int, plain_bytes: float, exact: bool) -> None:
-        self.samples.append((tokens, float(plain_bytes), exact))
-        del self.samples[: -self.window]
+        self._samples.append((tokens, float(plain_bytes), exact))
+        del self._samples[: -self.window]
+        self._changed()
+
+    def _changed(self) -> None:
+        self._summary: tuple[float | None, int | None, int | None, int | None, int] | None = None
+        self._lines: dict[float, float] = {}
+
+    def _summarised(self) -> tuple[float | None, int | None, int | None, int | None, int]:
+        """(least-squares slope of the exact samples or None, longest, shortest and longest exact, exact lengths)."""
+        if self._summary is None:
+            points = [(t, y) for t, y, exact in self._samples if exact]
+            n = len(points)
+            mean_t = sum(t for t, _ in points) / n if n else 0.0
+            mean_y = sum(y for _, y in points) / n if n else 0.0
+            var = sum((t - mean_t) ** 2 for t, _ in points)
+            fitted = sum((t - mean_t) * (y - mean_y) for t, y in points) / var if var > 0 else None
+            exact = [t for t, _ in points]
+            longest = max((t for t, _, _ in self._samples), default=None)
+            self._summary = (fitted, longest, min(exact, default=None), max(exact, default=None), len(set(exact)))
+        return self._summary
 
     @property
     def fitted(self) -> bool:
         """Two exact samples of different lengths: the slope is measured, not guessed."""
-        return len({t for t, _, exact in self.samples if exact}) >= 2
+        return self._summarised()[4] >= 2
 
     @property
     def longest(self) -> int | None:
-        return max((t for t, _, _ in self.samples), default=None)
+        return self._summarised()[1]
 
     def slope(self, floor: float = 0.0) -> float:
         """The inside slope, bytes per token: least squares over the exact samples, at least ``floor``."""
-        points = [(t, y) for t, y, exact in self.samples if exact]
-        n = len(points)
-        mean_t = sum(t for t, _ in points) / n if n else 0.0
-        mean_y = sum(y for _, y in points) / n if n else 0.0
-        var = sum((t - mean_t) ** 2 for t, _ in points)
-        if var <= 0:
-            return floor
-        cov = sum((t - mean_t) * (y - mean_y) for t, y in points)
-        return max(cov / var, floor)
+        fitted = self._summarised()[0]
+        return floor if fitted is None else max(fitted, floor)
 
     def upper_line(self, tokens: int, slope: float) -> float:
         """The highest of the lines of ``slope`` through the samples, at ``tokens``."""
-        return max(y + slope * (tokens - t) for t, y, _ in self.samples)
+        offset = self._lines.get(slope)
+        if offset is None:
+            if len(self._lines) > 16:
+                self._lines.clear()
+            offset = self._lines[slope] = max(y - slope * t for t, y, _ in self._samples)
+        return offset + slope * tokens
 
     def predict(self, tokens: int, floor: float = 0.0, seed: float = 0.0) -> float | None:
         """Peak bytes of a step whose largest micro-batch has ``tokens`` and offloads nothing; None before a sample.
@@ -120,8 +149,8 @@ class PeakModel:
     def trusted(self, tokens: int) -> bool:
         """Whether the fitted slope may extrapolate to ``tokens``: no further beyond the longest exact sample than
         the exact samples span. Clustered lengths measure a slope poorly, and a far length needs the seed."""
-        exact = [t for t, _, is_exact in self.samples if is_exact]
-        return self.fitted and tokens - max(exact) <= max(exact) - min(exact)
+        _, _, shortest, longest, _ = self._summarised()
+        return self.fitted and tokens - longest <= longest - shortest  # type: ignore[operator]
 
 
 def slope_terms(

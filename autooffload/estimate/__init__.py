@@ -17,7 +17,7 @@ import math
 import sys
 from typing import Any, NoReturn
 
-from ..settings import Settings, SettingsError
+from ..settings import Settings, SettingsError, shown
 from . import machine
 from .arithmetic import (
     DEFAULT_HOST_BANDWIDTH_GBPS,
@@ -25,6 +25,7 @@ from .arithmetic import (
     DTYPE_BYTES,
     GIB,
     LARGE_SHARE,
+    LARGEST,
     VERDICTS,
     Estimate,
     EstimateError,
@@ -90,13 +91,9 @@ def _print_error(message: str) -> None:
 
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            expected = "number" if kind is float else "whole number"
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {expected}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        value = _number(text, kind)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{shown(text)} must be positive")
         return value
 
     parse.__name__ = kind.__name__
@@ -104,12 +101,22 @@ def _positive(kind: type) -> Any:
 
 
 def _non_negative(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be zero or positive")
+    return value
+
+
+def _number(text: str, kind: type) -> Any:
+    """``text`` as ``kind``, finite and at most :data:`LARGEST` (a count, GiB or GB/s: anything larger is a typo,
+    and would overflow the arithmetic's floats)."""
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be zero or positive")
+        value = kind(text)
+    except (ValueError, OverflowError):
+        expected = "number" if kind is float else "whole number"
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a {expected}") from None
+    if abs(value) > LARGEST or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is out of range (at most 2**40)")
     return value
 
 
@@ -222,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (EstimateError, SettingsError) as error:
         _print_error(str(error))
+        return 2
+    except (ArithmeticError, ValueError, RecursionError) as error:  # what the checks above did not foresee
+        _print_error(f"the input is out of range for the arithmetic ({type(error).__name__}: {shown(str(error))})")
         return 2
     print(json.dumps(result.to_dict(), indent=2) if options.json else render(result))
     return 0

@@ -28,9 +28,11 @@ import math
 from typing import Any
 
 from ..decide.activations import LayerShape
-from ..settings import PAGE, Settings
+from ..settings import PAGE, Settings, shown
 
 GIB = 2**30
+# The largest count or size the estimate takes (2**40 tokens, layers, GiB, ...): beyond, a typo, and floats overflow.
+LARGEST = 2**40
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
 # An assumption, not a measurement: pinned host<->device copies reach about this over PCIe Gen4 x16, and a
@@ -258,13 +260,13 @@ def normalize_dtype(name: str) -> str:
     key = name.strip().lower()
     key = DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_BYTES:
-        raise EstimateError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_BYTES)}")
+        raise EstimateError(f"unknown dtype {shown(name)}; expected one of {', '.join(DTYPE_BYTES)}")
     return key
 
 
 def _require_positive(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise EstimateError(f"{name} must be a positive number, got {value!r}")
+        raise EstimateError(f"{name} must be a positive number, got {shown(value)}")
 
 
 def gib(nbytes: float) -> str:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from ..decide.activations import STREAM_KEYS, LayerShape
-from .arithmetic import EstimateError
+from ..settings import shown
+from .arithmetic import LARGEST, EstimateError
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
@@ -38,12 +40,16 @@ def read_config(path: str | Path) -> tuple[int, int]:
         raise EstimateError(f"cannot read {path}: {error}") from None
     except json.JSONDecodeError as error:
         raise EstimateError(f"{path} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise EstimateError(f"{path} cannot be read as a config: its JSON is nested too deeply") from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise EstimateError(f"{path} cannot be read as a config: it holds a number too long to read") from None
     if not isinstance(config, dict):
         raise EstimateError(f"{path} holds a JSON {type(config).__name__}, not a config object")
     text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
     scopes = [*text, config]
-    layers = _first_int(scopes, LAYER_KEYS)
-    hidden = _first_int(scopes, HIDDEN_KEYS)
+    layers = _first_int(scopes, LAYER_KEYS, path)
+    hidden = _first_int(scopes, HIDDEN_KEYS, path)
     missing = [what for what, value in (("layer count", layers), ("hidden size", hidden)) if value is None]
     if missing:
         keys = {"layer count": LAYER_KEYS, "hidden size": HIDDEN_KEYS}
@@ -60,7 +66,7 @@ def _config_or_none(path: str | Path) -> dict[str, Any] | None:
         path = path / "config.json"
     try:
         config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     return config if isinstance(config, dict) else None
 
@@ -71,7 +77,7 @@ def read_streams(path: str | Path) -> int:
     if config is None:
         return 1
     text = [config[key] for key in TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
-    streams = _first_int([*text, config], STREAM_KEYS)
+    streams = _first_int([*text, config], STREAM_KEYS, path)
     return streams if streams is not None and streams > 0 else 1
 
 
@@ -81,9 +87,13 @@ def read_encoder_decoder(path: str | Path) -> tuple[int, int] | None:
     config = _config_or_none(path)
     if config is None or config.get("is_encoder_decoder") is not True:
         return None
-    encoder = _first_int([config], ("encoder_layers", "num_layers", "num_hidden_layers"))
-    decoder = _first_int([config], ("decoder_layers", "num_decoder_layers")) or encoder
+    encoder = _first_int([config], ("encoder_layers", "num_layers", "num_hidden_layers"), path)
+    decoder = _first_int([config], ("decoder_layers", "num_decoder_layers"), path) or encoder
     return (encoder, decoder) if encoder and decoder else None
+
+
+# The fields of a config the keep figures read (LayerShape.from_config), checked before the arithmetic uses them.
+SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "attention_dropout")
 
 
 def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerShape | None:
@@ -93,14 +103,24 @@ def read_layer_shape(path: str | Path, hidden: int, dtype_bytes: int) -> LayerSh
         return None
     scope = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     fields = {k: v for k, v in scope.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    for key in SHAPE_KEYS:
+        if isinstance(fields.get(key), (int, float)):
+            _checked(key, fields[key], path)
     fields["hidden_size"] = hidden
     return LayerShape.from_config(argparse.Namespace(**fields), dtype_bytes)
 
 
-def _first_int(scopes: list[dict[str, Any]], keys: tuple[str, ...]) -> int | None:
+def _first_int(scopes: list[dict[str, Any]], keys: tuple[str, ...], path: str | Path) -> int | None:
     for scope in scopes:
         for key in keys:
             value = scope.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
-                return value
+                return int(_checked(key, value, path))
     return None
+
+
+def _checked(key: str, value: float, path: str | Path) -> float:
+    """``value`` of ``key`` where the arithmetic can use it: finite and at most 2**40 either way."""
+    if abs(value) > LARGEST or (isinstance(value, float) and not math.isfinite(value)):
+        raise EstimateError(f"{path}: {key}={shown(value)} is out of range (at most 2**40)")
+    return value

@@ -1,5 +1,6 @@
 """What ``autooffload estimate`` reads from the machine it runs on: the device's memory (NVML), the host's memory
-and the node's host memory budget, and how much a process may pin.
+(under a container's limit where it runs in one) and the node's host memory budget, and how much a process may
+pin.
 
 Each reader answers None (or a note) where it cannot read, and the figure then prints as unknown: the estimate
 runs on a machine without a GPU. The command calls these through this module, so patch them here.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..observe.host_limits import Limit, read_limits, tightest
 from ..settings import parse_host_memory
 
 
@@ -30,21 +32,24 @@ def nvml_total_bytes() -> int | None:
 
 
 def host_available_bytes() -> int | None:
+    """What the node's tightest shared limit leaves: the machine's free memory, or a container's memory limit
+    where the estimate runs inside one (:mod:`autooffload.observe.host_limits`)."""
     try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
+        return tightest(_shared_limits()).available
     except Exception:
         return None
 
 
 def host_total_bytes() -> int | None:
+    """The size of the smallest shared limit: the machine's memory, or a container's memory limit."""
     try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
+        return min(limit.total for limit in _shared_limits())
     except Exception:
         return None
+
+
+def _shared_limits() -> list[Limit]:
+    return [limit for limit in read_limits() if limit.shared]
 
 
 def host_budget(setting: str) -> int | None:
