@@ -78,16 +78,19 @@ class Settings:
         _validate(values, {})
 
     @classmethod
-    def from_env(
-        cls, env: Mapping[str, str] | None = None, /, *, source: str = "argument", **overrides: Any
-    ) -> Settings:
+    def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: Any) -> Settings:
         """Defaults, overridden by ``AUTOOFFLOAD_*`` variables in ``env``, overridden by ``overrides``.
 
         ``None`` in ``overrides`` means "not given". An ``AUTOOFFLOAD_`` variable that names no setting is an
-        error, so that a typo cannot silently leave a default in force. ``source``: where ``overrides`` come from,
-        as errors name it: ``"argument"`` (``argument seq_high=...``) or a config key (``"axolotl config
-        autooffload"``: ``axolotl config autooffload.seq_high=...``).
+        error, so that a typo cannot silently leave a default in force. Errors name an override as an argument
+        (``argument seq_high=...``); :meth:`from_source` names another source.
         """
+        return cls.from_source("argument", overrides, env)
+
+    @classmethod
+    def from_source(cls, source: str, overrides: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+        """:meth:`from_env`, with ``overrides`` from ``source`` as errors name it: ``"argument"`` or a config key
+        (``"axolotl config autooffload"``: ``axolotl config autooffload.seq_high=...``)."""
         env = os.environ if env is None else env
         names = {_env_name(f.name): f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}

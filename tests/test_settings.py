@@ -101,13 +101,13 @@ def test_each_source_is_named_in_its_error(monkeypatch):
         AutoOffloadCallback(seq_low=200)
     axolotl = r"^axolotl config autooffload.seq_low=200 is above AUTOOFFLOAD_SEQ_HIGH=100"
     with pytest.raises(SettingsError, match=axolotl):
-        Settings.from_env(source="axolotl config autooffload", seq_low=200)
+        Settings.from_source("axolotl config autooffload", {"seq_low": 200})
     with pytest.raises(SettingsError, match=r"^AUTOOFFLOAD_HOST_MEMORY='2.5' is not allowed"):
         Settings.from_env({"AUTOOFFLOAD_HOST_MEMORY": "2.5"})
     with pytest.raises(SettingsError, match=r"^argument host_memory='2.5' is not allowed: expected 'auto', a fraction"):
         AutoOffloadCallback(host_memory=2.5)
     with pytest.raises(SettingsError, match=r"unknown setting\(s\) \['seq_hi'\] in axolotl config autooffload"):
-        Settings.from_env({}, source="axolotl config autooffload", seq_hi=1)
+        Settings.from_source("axolotl config autooffload", {"seq_hi": 1}, {})
 
 
 @pytest.mark.parametrize("value", [0.5, "0.5", 1, "1", "64GiB", "512MiB", "auto", "AUTO"])

@@ -70,7 +70,7 @@ def plugin_settings(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     else:
         raise SettingsError(f"axolotl config {KEY}: {value!r} is not a mode, true or a mapping of settings")
     # The config's values alone (the environment is checked where it is read); an error names the config key.
-    Settings.from_env({}, source=f"axolotl config {KEY}", **settings)
+    Settings.from_source(f"axolotl config {KEY}", settings, {})
     return settings
 
 
