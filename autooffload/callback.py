@@ -103,6 +103,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self.explicit = {k: v for k, v in given.items() if v is not None}
         self.controller = OffloadController(Settings.from_env(**self.explicit), probe=probe, policy=policy)
         self._log_wrapped = False
+        self._training = False  # from on_train_begin to on_train_end (or abandon)
         self.history_path: Path | None = None
         self._predecessor = AutoOffloadCallback._latest
         AutoOffloadCallback._latest = weakref.ref(self)
@@ -125,6 +126,9 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
+        if self._training:  # the last train() raised, which calls no on_train_end (attach(trainer) ends it then)
+            self.abandon()
+        self._training = True
         if self.controller.failed:  # gave up in this train() already (saving its state as the run began)
             if model is not None:
                 self.controller.attach(model)  # attaches nothing; under torch.distributed, joins the other ranks
@@ -194,6 +198,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._training = False
         attached = self.controller.switch is not None
         summary = self.controller.finish()  # every rank, one that gave up too: a collective under torch.distributed
         if attached and state.is_world_process_zero:
@@ -203,6 +208,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
 
     def abandon(self) -> None:
         """``train()`` raised: write the history and detach, as ``on_train_end`` would (without its collective)."""
+        self._training = False
         self._write_history()
         self.controller.detach()
         self.controller.end_run()

@@ -31,7 +31,7 @@ import torch
 from . import lifecycle
 from .apply.compile_guard import is_compiled
 from .apply.hooks import ForwardHooks
-from .apply.switch import CheckpointSwitch, install_plain
+from .apply.switch import CheckpointSwitch
 from .fallback import AT_END
 from .guard import guarded
 from .observe.inputs import NO_TOKENS, MicroBatch, read_micro_batch
@@ -125,7 +125,7 @@ class OffloadController(Run):
         except Exception:  # the switch itself is broken: forget it, the functions are replaced below
             self.switch, self.hooks = None, None
         if model is not None:
-            install_plain(model)
+            self.fallback.keep_plain(model)
         if where in AT_END:  # the run is over: the next one tries again
             self.end_run()
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .apply.switch import install_plain
 from .distributed import RankAgreement, RankGaveUp
 
 # The entry points that run before a run's join: a rank that fails in one of them joins the others at once.
@@ -65,6 +66,31 @@ class RankNotice:
         self._handles = []
 
 
+class PlainCheckpointing:
+    """Plain checkpointing on ``model`` until :meth:`remove`: installed at once (:func:`install_plain`), and again
+    at a training forward that finds other functions in place. A trainer that turns checkpointing off and on again
+    mid-run (TRL's generation) installs transformers' own functions, with the ``offload`` key of the training
+    arguments' kwargs, which torch's reentrant checkpoint refuses; with autooffload's hooks gone, nothing else
+    would take them over."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.installed = install_plain(model)
+        self._handle = model.register_forward_pre_hook(self._before)
+
+    @torch.compiler.disable
+    def _before(self, module: torch.nn.Module, args: tuple) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        if self.installed and all(getattr(m, a, None) is f for m, a, f in self.installed):
+            return
+        with contextlib.suppress(Exception):  # nothing better to do: the functions found stay
+            self.installed = install_plain(self.model)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
 class Fallback:
     """What a run does when it gives up (see the module docstring): the warning, and the collective this rank
     owes the others. ``agreement``: the run's :class:`~autooffload.distributed.RankAgreement`; ``warn``: the
@@ -74,6 +100,7 @@ class Fallback:
         self.agreement = agreement
         self.warn = warn
         self.notice: RankNotice | None = None
+        self.plain: PlainCheckpointing | None = None
 
     def give_up(
         self, where: str, error: BaseException, model: torch.nn.Module | None, entries: Sequence[torch.nn.Module]
@@ -115,6 +142,17 @@ class Fallback:
         elif agreement.per_micro_batch() and modules:
             self.notice = RankNotice(modules, agreement.tell)
 
+    def keep_plain(self, model: torch.nn.Module) -> None:
+        """Plain checkpointing on ``model`` until the model is let go of (:meth:`let_go`) or the run ends."""
+        self.let_go()
+        self.plain = PlainCheckpointing(model)
+
+    def let_go(self) -> None:
+        """The model is detached: stop keeping plain checkpointing on it."""
+        if self.plain is not None:
+            self.plain.remove()
+            self.plain = None
+
     def attach_refused(self) -> None:
         """``attach`` on a controller that gave up in this run: attach nothing, but make the join the other ranks
         make there, with the flag, where this run's join is still owed."""
@@ -127,4 +165,5 @@ class Fallback:
         if self.notice is not None:
             self.notice.remove()
             self.notice = None
+        self.let_go()
         self.agreement.end_run()

@@ -166,6 +166,7 @@ class Run:
     def _release(self) -> None:
         """The model is detached: nothing of it stays (its identity, its probe's hold on it, the host buffers)."""
         self._attached_identity = None
+        self.fallback.let_go()
         self.memory.detach()
         self.sizes.detach()
         self.planner.detach()

@@ -138,5 +138,33 @@ def ddp_main(out: Path) -> None:
         torch.distributed.destroy_process_group()
 
 
+def give_up_main(out: Path) -> None:
+    """Rank 1 alone fails in ``on_train_start`` before it attaches (its controller's reset raises): both ranks must
+    finish, rank 1 plain from the start and rank 0 told at the join."""
+    quiet()
+    rank = int(os.environ["RANK"])
+    callback = AutoOffload(seq_high=200, seq_low=128, min_steps=1, probe=None)
+    if rank == 1:
+
+        def failing_reset() -> None:
+            raise RuntimeError("injected failure on rank 1")
+
+        callback.controller.reset = failing_reset  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, module = fit(
+            out, [pair[rank] for pair in RANK_LENGTHS], [callback], devices=2, strategy="ddp", num_nodes=1,
+            use_distributed_sampler=False,
+        )  # fmt: skip
+    result = {
+        "step": trainer.global_step,
+        "parameters": parameters(module),
+        "warnings": [str(w.message) for w in caught if "autooffload" in str(w.message)],
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    ddp_main(Path(sys.argv[1]))
+    (give_up_main if sys.argv[2:] == ["give_up"] else ddp_main)(Path(sys.argv[1]))

@@ -127,3 +127,71 @@ def test_a_failure_as_the_run_ends_ends_the_give_up_with_it(tmp_path, where):
     trainer.train()
     assert callback.controller.stats.total_bytes == expected_bytes(64) * len(LENGTHS)
     assert trainer.state.global_step == len(LENGTHS)
+
+
+def _toggle(net: torch.nn.Module, kwargs: dict) -> None:
+    """What TRL's generation does around ``generate`` (``unwrap_model_for_generation``): checkpointing off, then on
+    again with the training arguments' kwargs, ``offload`` key included: transformers installs new functions."""
+    net.gradient_checkpointing_disable()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_plain_checkpointing_stays_after_a_trainer_reinstalls_its_functions(monkeypatch, reentrant):
+    """After giving up, a trainer that turns checkpointing off and on again mid-run (TRL's GRPO around generation)
+    puts back functions with the ``offload`` key, which torch's reentrant checkpoint refuses (ValueError) and the
+    non-reentrant one hands to the layer as a keyword: the run must stay on plain checkpointing all the same."""
+    from autooffload import OffloadController, Settings
+    from autooffload.demo import tiny_qwen3
+
+    net = tiny_qwen3(2, 32, 256, seed=0).train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    assert controller.attach(net, optimizer=optimizer)
+    monkeypatch.setattr(HistoryRecorder, "end_step", boom)
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    seen: list[dict] = []
+    net.model.layers[0].register_forward_pre_hook(lambda m, a, k: seen.append(dict(k)), with_kwargs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for toggle in (False, True):
+            if toggle:
+                _toggle(net, {"offload": "auto", "use_reentrant": reentrant})
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            controller.end_step()
+    assert controller.failed
+    assert "offload" not in seen[-1]  # plain checkpointing again, not transformers' function with its offload key
+
+
+def test_a_train_that_gave_up_and_raised_leaves_the_next_train_offloading(tmp_path, monkeypatch):
+    """With the callback alone (no ``attach(trainer)`` wrapping ``train``), a ``train()`` that gave up and then
+    raised calls no ``on_train_end``: the next ``train()`` must neither crash (Trainer reinstalls transformers'
+    functions with the ``offload`` key, which fail on a CPU-only build) nor run without autooffload."""
+    from conftest import InOrderTrainer, dataset, model, training_args
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        armed = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.armed and state.global_step == 2:
+                raise KeyboardInterrupt
+
+    callback, interrupt = AutoOffloadCallback(mode="on", probe=None), Interrupt()
+    trainer = InOrderTrainer(
+        model=model(), args=training_args(tmp_path, 3), train_dataset=dataset([64] * 3), callbacks=[callback, interrupt]
+    )
+    monkeypatch.setattr(HistoryRecorder, "end_step", boom)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        assert callback.controller.failed
+        monkeypatch.undo()
+        interrupt.armed = False
+        trainer.train()
+    assert trainer.state.global_step == 3
+    assert callback.controller.stats.total_bytes == 3 * expected_bytes(64)

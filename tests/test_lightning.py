@@ -255,3 +255,28 @@ def test_ddp_two_ranks_agree_write_their_own_history_and_train_as_plain(tmp_path
     assert levels[0] == levels[1] == [[0, 0], [LAYERS, LAYERS], [0, 0], [0, LAYERS]]
     assert histories[1][1]["reasons"][0] == histories[0][3]["reasons"][1] == "rank_agreement"
     assert ranks[0]["parameters"] == ranks[1]["parameters"]
+
+
+def test_ddp_one_rank_failing_at_train_start_leaves_no_rank_in_a_collective(tmp_path):
+    """Rank 1 fails in on_train_start before it reads trainer.log_dir (a broadcast under DDP): it must still make
+    that broadcast, or rank 0 waits in it and the ranks' next collectives mismatch (a hang; under gloo an abort)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOOFFLOAD_", "ACCELERATE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(TESTS / "lightning_worker.py"), str(tmp_path), "give_up"]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the two ranks did not finish in 180 s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["step"] for r in ranks] == [4, 4]
+    assert ranks[0]["parameters"] == ranks[1]["parameters"]
+    assert any("internal error in Lightning on_train_start" in w for w in ranks[1]["warnings"]), ranks[1]
+    assert any("rank 1 gave up" in w for w in ranks[0]["warnings"]), ranks[0]

@@ -357,12 +357,14 @@ class CheckpointSwitch:
         self._functions = [None] * len(self.layers)
 
 
-def install_plain(model: torch.nn.Module) -> None:
+def install_plain(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Callable[..., Any]]]:
     """Put plain checkpointing (torch's checkpoint with the kwargs found, without ``offload``) on every
     checkpointed module of ``model`` whose function autooffload knows: the fallback when autooffload gives up
     before its switch exists (:mod:`autooffload.guard`), since transformers' own functions may carry an
-    ``offload`` key that fails (before 5.17; on a CPU-only build) or always offloads."""
+    ``offload`` key that fails (before 5.17; on a CPU-only build) or always offloads. Returns what it installed
+    (module, attribute, function)."""
     wrapper_type = checkpoint_wrapper_type()
+    installed = []
     for module in model.modules():
         attribute = "checkpoint_fn" if wrapper_type is not None and isinstance(module, wrapper_type) else None
         if attribute is None and getattr(module, "gradient_checkpointing", False) is True:
@@ -371,3 +373,5 @@ def install_plain(model: torch.nn.Module) -> None:
         kwargs = torch_checkpoint_kwargs(function) if function is not None else None
         if kwargs is not None:
             setattr(module, attribute, _plain_function(kwargs))
+            installed.append((module, attribute, getattr(module, attribute)))
+    return installed

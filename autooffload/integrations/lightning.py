@@ -35,6 +35,7 @@ asked for, gets one ``rescue-off`` warning). Lightning is imported here only: ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -114,8 +115,17 @@ class AutoOffload(Callback):
 
     # ---- the run -------------------------------------------------------------------------------------
 
-    @guarded("Lightning on_train_start", always=True)
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # trainer.log_dir is a broadcast under DDP: read first on every rank, whatever fails below on one of them (a
+        # rank that skipped it would leave the others in it, then in DDP's next collective: gloo aborts, or a hang).
+        directory = self.history_dir
+        if directory is None:
+            with contextlib.suppress(Exception):
+                directory = trainer.log_dir
+        self._start(trainer, pl_module, directory)
+
+    @guarded("Lightning on_train_start", always=True)
+    def _start(self, trainer: Any, pl_module: Any, directory: str | os.PathLike | None) -> None:
         saved, self._saved = self._saved, None
         if self.controller.failed:  # gave up in this fit already (loading its checkpoint's state)
             self.controller.attach(self.controlled(pl_module))  # attaches nothing; under torch.distributed, joins
@@ -128,7 +138,7 @@ class AutoOffload(Callback):
         optimizers = getattr(trainer, "optimizers", None) or [None]
         self.controller.attach(self.controlled(pl_module), optimizer=optimizers[0])
         self._refuse_rescue()
-        self._open_history(trainer)
+        self._open_history(trainer, directory)
 
     def controlled(self, pl_module: torch.nn.Module) -> torch.nn.Module:
         """The module the controller attaches to (the ``model`` argument; see the module docstring)."""
@@ -193,10 +203,9 @@ class AutoOffload(Callback):
 
     # ---- history and refusals ------------------------------------------------------------------------
 
-    def _open_history(self, trainer: Any) -> None:
+    def _open_history(self, trainer: Any, directory: str | os.PathLike | None) -> None:
         """Each rank's history file, cut back to the step the run starts from (as the Trainer callback's)."""
         self.history_path = None
-        directory = self.history_dir if self.history_dir is not None else trainer.log_dir  # a broadcast: every rank
         if self.controller.switch is None or not directory:
             return
         self.controller.history.clear()
