@@ -13,6 +13,8 @@ noted); within a forward, a tensor an earlier call received is shared at once. B
 layer's ``forward`` names it: an argument named for what layers share (``encoder_hidden_states``, a mask, a
 position bias or embedding, rotary tables) is shared, any other named argument the layer's own (ZAYA's
 ``prev_router_hidden_states``, Pegasus-X's ``global_hidden_states``), and one without a name (``*args``) shared.
+A container's calls (a model that runs the checkpoint for each of its layers, as many did on transformers 4.52) need
+both: a tensor some calls make and pass to the next alone (4.52's T5 position bias) is no layer's own.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class LayerInputs:
     def __init__(self, layers: int) -> None:
         self.own: list[dict[int, bool]] = [{} for _ in range(layers)]  # learned: argument place -> its own
         self.names: list[tuple[str, ...]] = [() for _ in range(layers)]  # each layer's forward's positional names
-        # Per layer: may a second tensor move? Not for a container's calls (a model that calls the checkpoint for
-        # its layers, as many did on transformers 4.52): what it passes beside the input varies by call.
-        self.extras: list[bool] = [True] * layers
+        # Per layer: is it a container's call (a model that calls the checkpoint for its layers, as many did on
+        # transformers 4.52)? What a container passes beside the input may be made by some calls only (4.52's T5
+        # position bias, made by the first block and passed to the rest), so one forward showing a tensor to a
+        # single call does not make it the layer's own: its name must say so too (Pegasus-X's global tokens).
+        self.named_only: list[bool] = [False] * layers
         # This forward: tensor id -> (a weak reference to the tensor, its (layer, argument position) places). Weak:
         # a strong one would keep an offloaded input on the device; a dead one means the id was reused.
         self._seen: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
@@ -52,8 +56,7 @@ class LayerInputs:
         if not places:
             return ()
         moving = [places[0][1]]
-        if position >= len(self.extras) or not self.extras[position]:
-            return (places[0][1],)
+        named_only = position < len(self.named_only) and self.named_only[position]
         names = self.names[position] if position < len(self.names) else ()
         for index, (place, tensor) in enumerate(places):
             noted = self._seen.get(id(tensor))
@@ -65,7 +68,7 @@ class LayerInputs:
                 continue
             learned = self.own[position].get(place) if position < len(self.own) else None
             guess = place < len(names) and not any(word in names[place] for word in SHARED_NAMES)
-            if learned if learned is not None else guess:
+            if (guess and learned is not False) if named_only else (learned if learned is not None else guess):
                 moving.append(tensor)
         return tuple(moving)
 

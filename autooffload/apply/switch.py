@@ -160,7 +160,7 @@ class CheckpointSwitch:
         ]
         self.forward.on_first_call = self._first_call
         self.forward.inputs.names = [argument_names(_slot_module(slot)) for slot in self.layers]
-        self.forward.inputs.extras = [slot.target.kind != "container" for slot in self.layers]
+        self.forward.inputs.named_only = [slot.target.kind == "container" for slot in self.layers]
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
         self._keep_measured = [
             self._tag(
