@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from . import lifecycle
-from .apply.compile_guard import is_compiled
+from .apply.compile_guard import CompiledFrames, is_compiled
 from .apply.hooks import ForwardHooks
 from .apply.host_memory import ranks_per_node
 from .apply.switch import CheckpointSwitch, install_plain
@@ -82,11 +82,13 @@ class OffloadController(Run):
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
         self.host.set_budget(self.settings.host_memory)
+        compiled = is_compiled(model) if compiled is None else compiled
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
-            on_first_call=self._on_first_call, on_measured=self._on_measured,
+            on_first_call=self._on_first_call, on_measured=self._on_measured, compiled=compiled,
+            frames=CompiledFrames(model) if compiled else None,
         )  # fmt: skip
-        self._adopt(layout, is_compiled(model) if compiled is None else compiled)
+        self._adopt(layout, compiled)
         recompute, layers = self.settings.recompute, len(layout.layers)
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)

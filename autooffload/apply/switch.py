@@ -16,6 +16,12 @@ saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.apply.o
 They are closures, not partials, on purpose: torch.compile guards a called function by its code object, so
 swapping between two closures is seen (one recompile per variant, then cached), while a swap between two
 ``functools.partial`` objects is not guarded at all and would silently keep running the first one.
+
+Under torch.compile (``compiled``) the functions take the forms that cost least there (measured in
+``docs/compile.md``): a recomputing layer's function counts nothing, so that dynamo traces it into the model's
+graph without a break (the calls of an offloading layer are still counted: they are the ones the bytes moved
+are held to); an offloading or measuring function runs its own frame eagerly (saved-tensor hooks, which dynamo
+cannot trace, and counters), and the layer it calls is compiled as a frame of its own, once per variant.
 """
 
 from __future__ import annotations
@@ -36,11 +42,15 @@ from ..observe.targets import (
 )
 from ..observe.wrapped import rewrap
 from ..warn import WarnOnce
+from .compile_guard import CompiledFrames
 from .engines import OffloadEngine, make_engine
 from .forward import ForwardState, LayerCalls
 from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, measuring_plain_function
 from .offload import OffloadStats
+
+# Plans in a row without eager-frame functions before dynamo gets the model's frames back (see _give_frames_back).
+RESUME_AFTER = 8
 
 
 def _plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
@@ -56,6 +66,13 @@ def _plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | N
         return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_plain
+
+
+def _eager_frame(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``'s own frame runs eagerly under torch.compile, what it calls is compiled: without it dynamo
+    traces into the function up to the saved-tensor hooks and resumes after them in fragments, and guards on the
+    values its counters build (a set of storages), recompiling at every call."""
+    return torch.compiler.disable(function, recursive=False)
 
 
 def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
@@ -96,7 +113,10 @@ class CheckpointSwitch:
     outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`~autooffload.apply.engines.OffloadEngine`; ``host``: where a named engine takes its host buffers
     (default: a manager of its own); ``watched``: without targets (checkpointing turned off), the attributes
-    that held functions before, which :meth:`unchanged` watches.
+    that held functions before, which :meth:`unchanged` watches; ``compiled``: the model runs under
+    torch.compile, and the functions take the forms that cost least there (module docs); ``frames``: its
+    frames, given back to dynamo when a plan without eager-frame functions follows one with them
+    (:class:`~autooffload.apply.compile_guard.CompiledFrames`).
     """
 
     def __init__(
@@ -109,8 +129,14 @@ class CheckpointSwitch:
         watched: list[tuple[torch.nn.Module, str]] | None = None,
         on_first_call: Callable[[int, int], None] | None = None,
         on_measured: Callable[[int, int, int], None] | None = None,
+        compiled: bool = False,
+        frames: CompiledFrames | None = None,
     ) -> None:
         self.targets = targets
+        self.compiled, self.frames = compiled, frames
+        self._given_up = False  # an eager-frame plan ran since dynamo last had the frames back
+        self._whole = 0  # micro-batches planned in a row without eager-frame functions
+        eager = _eager_frame if compiled else (lambda function: function)
         self.stats = stats
         self.on_first_call, self.on_measured = on_first_call, on_measured
         self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched or []] if not targets else []
@@ -123,19 +149,23 @@ class CheckpointSwitch:
         self.layers = planned_layers(targets)
         self.forward = ForwardState(len(self.layers))
         self._plain_layer = [
-            self._tag(_plain_function(s.target.kwargs, self.forward.counter(i)), s.target)
+            self._tag(_plain_function(s.target.kwargs, None if compiled else self.forward.counter(i)), s.target)
             for i, s in enumerate(self.layers)
         ]
         self._offload = [
-            self._tag(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i), s.target)
+            self._tag(
+                eager(_offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i)), s.target
+            )
             for i, s in enumerate(self.layers)
         ]
         self.forward.on_first_call = self._first_call
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
         self._keep_measured = [
             self._tag(
-                measuring_keep_function(
-                    functools.partial(parameter_storages, [s.target.module]), functools.partial(self._measured, i)
+                eager(
+                    measuring_keep_function(
+                        functools.partial(parameter_storages, [s.target.module]), functools.partial(self._measured, i)
+                    )
                 ),
                 s.target,
             )
@@ -143,10 +173,12 @@ class CheckpointSwitch:
         ]
         self._plain_measured = [
             self._tag(
-                measuring_plain_function(
-                    _plain_function(s.target.kwargs, self.forward.counter(i)),
-                    functools.partial(parameter_storages, [s.target.module]),
-                    functools.partial(self._measured, i),
+                eager(
+                    measuring_plain_function(
+                        _plain_function(s.target.kwargs, self.forward.counter(i)),
+                        functools.partial(parameter_storages, [s.target.module]),
+                        functools.partial(self._measured, i),
+                    )
                 ),
                 s.target,
             )
@@ -184,6 +216,7 @@ class CheckpointSwitch:
         keep = max(0, min(keep, len(self.layers) - k))
         measure = measure and k < len(self.layers)
         order = tuple(range(len(self.layers))) if order is None else tuple(order)
+        self._give_frames_back(eager=self.compiled and (k > 0 or measure))
         if (k, keep, measure, order) == (self.offloaded, self.kept, self.measuring, self.order):
             return
         first_kept = len(self.layers) - keep
@@ -201,6 +234,20 @@ class CheckpointSwitch:
                 self._install(slot.target, function)
         self.offloaded, self.kept, self.measuring, self.order = k, keep, measure, order
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
+
+    def _give_frames_back(self, eager: bool) -> None:
+        """Under torch.compile, one call per micro-batch's plan: after ``RESUME_AFTER`` plans in a row without
+        eager-frame functions, give dynamo back the frames an earlier one made it give up on
+        (:class:`~autooffload.apply.compile_guard.CompiledFrames`): the whole graph runs again. Not sooner: the
+        next eager-frame plan after that costs a trace up to its graph break (measured: 0.7-0.9 s on a 2-layer
+        Qwen3 on a CPU), which plans that come and go (one long micro-batch in five) would pay every time."""
+        if eager:
+            self._given_up, self._whole = True, 0
+            return
+        self._whole += 1
+        if self._given_up and self._whole >= RESUME_AFTER and self.frames is not None:
+            self.frames.resume()
+            self._given_up = False
 
     def _first_call(self, position: int, nbytes: int) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no
@@ -282,8 +329,9 @@ class CheckpointSwitch:
         self.close()
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
         return CheckpointSwitch(
-            targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured
-        )
+            targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured,
+            self.compiled, self.frames,
+        )  # fmt: skip
 
     def checkpointing_off(self) -> bool:
         """Every target has checkpointing turned off (a reference forward between a trainer's disable and enable)."""

@@ -145,7 +145,7 @@ class Planner:
             reason = "rank_agreement"
         if self.compiled and (level, keep) != installed and not first:
             self.budget.switched()
-        measure = self.settings.recompute == "auto" and not self.compiled and self.stacks <= 1
+        measure = self.settings.recompute == "auto" and self.stacks <= 1
         measure = measure and self.keep.wants(level, tokens, seq_len)
         self.keep.forward(tokens, seq_len, max(0, min(keep, self.layers - level)), self.keep_plain)
         predicted = predicted_peak(self.policy, tokens, sized.bytes_per_layer)
