@@ -250,6 +250,10 @@ class Mode:
     def configure(self, model: torch.nn.Module) -> None:
         set_checkpointing(model, self.name != "none")
 
+    def settle(self, lengths: list[int], how: dict[str, Any]) -> None:
+        """After the warm-up, before the timed rounds: nothing more here (a compiled mode runs the trace until
+        nothing compiles)."""
+
     def runner(self, model: torch.nn.Module) -> Any:
         return model
 
@@ -392,6 +396,7 @@ def run_scenario(
         mode.probe.total = scenario.total
         for seq in sorted(set(lengths)) * 2 + [max(lengths)] + [min(lengths)] * 2:  # readings and measurements
             mode.step(seq, seed=seq, timed=False, **how)
+        mode.settle(lengths, how)
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):

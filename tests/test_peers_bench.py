@@ -1,0 +1,44 @@
+"""benchmarks/peers.py runs end to end (the ladder's tiny model, one round, ``aot_eager_decomp_partition``, whose
+partitioner reads ``activation_memory_budget`` as inductor's does): every peer runs, autooffload's modes fit the
+real-peak budget, and compiled ``auto`` gives compiled plain checkpointing's loss and gradients bit for bit with no
+graph compiled in a timed step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+peers = _load("peers")
+
+MODES = ["none", "plain", "auto", "hf-offload", "sac", "every-2nd", "compile-plain", "compile-0.5", "compile-auto"]
+
+
+def test_quick_run_of_every_kind_of_peer(tmp_path):
+    argv = ["--out", str(tmp_path), "--quick", "--scenario", "b", "--backend", "aot_eager_decomp_partition"]
+    assert peers.main([*argv, "--modes", *MODES]) == 0
+    data = json.loads((tmp_path / "peers.json").read_text())
+    (result,) = data["results"]
+    modes = result["modes"]
+    assert list(modes) == MODES and "| b | compile-auto |" in (tmp_path / "peers.md").read_text()
+    assert not modes["none"]["fits"]  # (b)'s long micro-batch does not fit without checkpointing
+    assert modes["auto"]["fits"] and modes["compile-auto"]["fits"]
+    assert modes["auto"]["kept"] > 0 and modes["compile-auto"]["kept"] > 0
+    assert modes["compile-auto"]["compile"]["graphs"]["timed"] == 0
+    assert result["compiled_equal"] and all(r["loss_equal"] and r["grads_equal"] for r in result["compiled_equal"])
+    # transformers' offload=True moves the layer inputs out of the allocator: never above plain checkpointing.
+    assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
