@@ -6,6 +6,7 @@ stack) in every form a layer takes (recompute, keep, offload)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 import warnings
@@ -108,6 +109,8 @@ def test_offloaded_inputs_leave_the_simulated_device_exactly():
 def _profiler_peak(step) -> int:
     """The most torch's CPU allocator held above the start over ``step()``, as torch.profiler records it."""
     from torch._C._profiler import _EventType
+
+    gc.collect()  # as SimulatedDevice.reset() does
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

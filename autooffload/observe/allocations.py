@@ -13,8 +13,10 @@ tree (a few milliseconds a step instead of tens), and nothing is printed.
 Costs and limits: while a window is open the profiler records every operation (measured: 15-20% slower on the
 ladder's 4-layer model on a CPU); a profiler already running in the thread (yours) cannot share it, so
 :meth:`AllocationPeak.start` then returns False and nothing is counted; only the thread that opened a window
-is counted (the CPU's backward runs in the caller's thread); a block allocated before the window and freed
-inside it lowers nothing (its size is unknown to the report), so the peak errs high by such blocks.
+is counted (the CPU's backward runs in the caller's thread); a block allocated before any window and freed
+inside one lowers nothing (its size is unknown to the report), so the peak errs high by such blocks, while one
+allocated inside an earlier window and freed inside this one lowers it (the report knows it): collect garbage
+before opening a window (:class:`~autooffload.observe.simulated.SimulatedDevice` does).
 """
 
 from __future__ import annotations

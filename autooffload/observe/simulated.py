@@ -30,6 +30,7 @@ Optimizer state that exists when the step begins is counted as held; state an op
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -114,8 +115,11 @@ class SimulatedDevice:
         self._window.close()
 
     def reset(self) -> None:
-        """A step begins: what it holds now is counted as held, and its peak starts from here."""
+        """A step begins: what it holds now is counted as held, and its peak starts from here. Garbage is collected
+        first: a block from an earlier step freed by the collector inside this one would lower its count."""
         self._window.close()
+        if self.count == "peak":
+            gc.collect()
         self._activations, self._trained, self._peak, self._read = None, False, None, False
         self._held = self._held_now()
         if self.count == "peak":
