@@ -46,7 +46,6 @@ from autooffload import OffloadController, Settings
 from autooffload.apply import switch as switch_module
 from autooffload.apply.compile_guard import compiled_graphs
 
-WHOLE = ("transformers", "whole", "keep-all")
 FORMS = (
     "transformers",
     "whole",
@@ -103,12 +102,11 @@ class Forms:
             layers[0]._gradient_checkpointing_func = self.traced
 
     def step(self, form: str, seq: int, seed: int) -> tuple[float, float]:
-        """(the first step after installing ``form``, the next one), in process CPU seconds. A whole-graph form
-        starts from dynamo's frames as compiled (the switch gives them back after an eager plan); the first step
-        of a form with graph breaks in the layers' loop pays dynamo's trace up to the break, once per switch."""
+        """(the first step after installing ``form``, the next one), in process CPU seconds. Every form starts from
+        dynamo's frames as compiled (a switch from a whole-graph plan): the first step of a form with a graph break
+        in the layers' loop pays dynamo's trace up to the break, once per such switch."""
         frames = self.controller.switch.frames
-        if form in WHOLE:
-            frames.resume()
+        frames.resume()  # every form starts from dynamo's frames as compiled: a switch from a whole-graph plan
         if form in ("whole-after-offload", "whole-resumed"):
             self.install("offload-eager")
             self._run(seq, seed)  # dynamo gives up on the frame holding the layers' loop

@@ -39,6 +39,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -136,6 +137,23 @@ def torchtitan_policy() -> Any:
     return context_fn
 
 
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any], **options: Any) -> None:
+    """transformers' checkpointing with torch's checkpoint ``kwargs`` and its own ``options`` (``every_n_layers``,
+    ``offload``), under the name this release has."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(kwargs, **options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **options)
+
+
+def transformers_options() -> set[str]:
+    """The checkpointing options this transformers release takes: ``every_n_layers`` (5.16), ``offload`` (5.17)."""
+    model = transformers.PreTrainedModel
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    return set(inspect.signature(enable).parameters)
+
+
 def budget_backend(backend: str, budget: float | None) -> Any:
     """A dynamo backend of its own (its graphs are kept apart from the other modes'), compiling under
     ``activation_memory_budget=budget`` (None: the default)."""
@@ -212,11 +230,11 @@ class Peer(ladder.Mode):
             warnings.simplefilter("ignore")
             if name == "sac":
                 kwargs["context_fn"] = torchtitan_policy()
-                model.activation_checkpointing_enable(kwargs)
+                enable_checkpointing(model, kwargs)
             elif name == "every-2nd":
-                model.activation_checkpointing_enable(kwargs, every_n_layers=2)
+                enable_checkpointing(model, kwargs, every_n_layers=2)
             elif name == "hf-offload":
-                model.activation_checkpointing_enable(kwargs, offload=True)
+                enable_checkpointing(model, kwargs, offload=True)
             else:
                 ladder.set_checkpointing(model, True)
 
@@ -487,12 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = ladder.SHAPES["quick" if options.quick else "cpu"]
     names = options.scenario or (["a", "b", "c"] if options.quick else list(ladder.TARGETS))
     modes = options.modes or list(MODES)
-    if (
-        "every-2nd" in modes
-        and "every_n_layers" not in transformers.PreTrainedModel.activation_checkpointing_enable.__code__.co_varnames
-    ):
-        modes.remove("every-2nd")
-        print("peers: every-2nd needs transformers >= 5.16 (every_n_layers); left out", file=sys.stderr)
+    for mode, option in (("every-2nd", "every_n_layers"), ("hf-offload", "offload")):
+        if mode in modes and option not in transformers_options():
+            modes.remove(mode)
+            print(f"peers: {mode} needs transformers' {option} (5.16 / 5.17 and later); left out", file=sys.stderr)
     bench = ladder.Bench(shape, "cpu")
     hybrid = ladder.Bench(shape, "cpu", "jamba") if "f" in names else None
     plans, readings = ladder.budgets(bench, hybrid, names)

@@ -34,11 +34,14 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
     data = json.loads((tmp_path / "peers.json").read_text())
     (result,) = data["results"]
     modes = result["modes"]
-    assert list(modes) == MODES and "| b | compile-auto |" in (tmp_path / "peers.md").read_text()
+    options = peers.transformers_options()  # every_n_layers from transformers 5.16, offload from 5.17
+    needs = {"every-2nd": "every_n_layers", "hf-offload": "offload"}
+    ran = [m for m in MODES if m not in needs or needs[m] in options]
+    assert list(modes) == ran and "| b | compile-auto |" in (tmp_path / "peers.md").read_text()
     assert not modes["none"]["fits"]  # (b)'s long micro-batch does not fit without checkpointing
     assert modes["auto"]["fits"] and modes["compile-auto"]["fits"]
     assert modes["auto"]["kept"] > 0 and modes["compile-auto"]["kept"] > 0
     assert modes["compile-auto"]["compile"]["graphs"]["timed"] == 0
     assert result["compiled_equal"] and all(r["loss_equal"] and r["grads_equal"] for r in result["compiled_equal"])
-    # transformers' offload=True moves the layer inputs out of the allocator: never above plain checkpointing.
-    assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
+    if "hf-offload" in modes:  # transformers' offload=True moves the layer inputs out of the allocator
+        assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
