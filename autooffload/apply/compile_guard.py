@@ -9,6 +9,8 @@ variants than dynamo's ``recompile_limit`` (8) make the frame fall back to eager
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -89,11 +91,12 @@ class CompiledFrames:
 
     def __init__(self, model: torch.nn.Module) -> None:
         codes: dict[int, object] = {}
+        torch_files = os.path.dirname(torch.__file__) + os.sep  # torch's own frames: dynamo's rules decide those
         for module in model.modules():
             function = getattr(type(module), "forward", None)
             while function is not None:
                 code = getattr(function, "__code__", None)
-                if code is not None:
+                if code is not None and not code.co_filename.startswith(torch_files):
                     codes[id(code)] = code
                 function = getattr(function, "__wrapped__", None)
         self.codes = list(codes.values())
