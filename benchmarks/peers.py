@@ -17,7 +17,10 @@ on one model with the same weights and inputs, interleaved step by step:
 - compiled (``torch.compile``, ``--backend``, inductor by default): ``compile-<b>`` for
   ``activation_memory_budget`` b in 1.0, 0.5, 0.2, 0.0 (no checkpointing: the partitioner's knapsack decides what
   the backward recomputes; 1.0 is the default, speed-first), ``compile-plain`` (transformers' checkpointing,
-  compiled), ``compile-auto`` (autooffload, ``recompute="auto"``, on the compiled model).
+  compiled), ``compile-auto`` (autooffload, ``recompute="auto"``, on the compiled model);
+- layers compiled in place (``layer.compile()`` on each decoder layer, the rest eager): ``layers-plain``
+  (transformers' checkpointing) and ``layers-auto`` (autooffload, ``recompute="auto"``). Whole-model compiles
+  peak higher than eager on the CPU (``benchmarks/results/2026-12-04-compile-regions-cpu``); these do not.
 
 Per mode and scenario: the trace's process CPU time (median over the rounds, the spread, against plain and
 against the fastest mode that fits), the real peak's largest reading against the budget and the steps over it,
@@ -66,8 +69,9 @@ from autooffload.apply.host_memory import page_round, pageable
 EAGER = ("none", "plain", "always", "auto", "hf-offload", "sac", "every-2nd")
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 COMPILED = ("compile-plain", *(f"compile-{b}" for b in BUDGETS), "compile-auto")
-MODES = EAGER + COMPILED
-OURS = ("always", "auto", "compile-auto")
+LAYERS = ("layers-plain", "layers-auto")
+MODES = EAGER + COMPILED + LAYERS
+OURS = ("always", "auto", "compile-auto", "layers-auto")
 
 
 # ---- the peers ----------------------------------------------------------------------------------------------
@@ -199,10 +203,10 @@ class Peer(ladder.Mode):
     def __init__(self, name: str, bench: ladder.Bench, backend: str = "inductor") -> None:
         super().__init__(name if name in ("none", "plain", "always", "auto") else "_", bench)
         self.name = name
-        self.compiled = name.startswith("compile-")
+        self.compiled = name.startswith(("compile-", "layers-"))
         self._compiled_model: Any = None
         self.backend = backend
-        if name == "compile-auto":
+        if name in ("compile-auto", "layers-auto"):
             settings = Settings(recompute="auto", memory_high=ladder.HIGH, memory_low=ladder.HIGH - 0.1)
             self.controller = OffloadController(settings, probe=self.probe)
         self.graphs = {"warm-up": 0, "timed": 0}
@@ -237,9 +241,12 @@ class Peer(ladder.Mode):
                 enable_checkpointing(model, kwargs, offload=True)
             else:
                 ladder.set_checkpointing(model, True)
+        if name.startswith("layers-"):  # each decoder layer compiled in place; the rest of the model runs eagerly
+            for layer in model.model.layers:
+                layer.compile(backend=budget_backend(self.backend, None))
 
     def runner(self, model: torch.nn.Module) -> Any:
-        if not self.compiled:
+        if not self.compiled or self.name.startswith("layers-"):
             return model
         if self._compiled_model is None:
             suffix = self.name[len("compile-") :]
@@ -252,7 +259,7 @@ class Peer(ladder.Mode):
         eager-frame functions made dynamo give up (and autooffload did not give them back yet), else compiled.
         The modes share one process, and a frame dynamo gives up on is given up for every model of its class."""
         switch = self.controller.switch if self.controller is not None else None
-        if switch is not None and switch._given_up:
+        if switch is not None and switch._given_up and not self.name.startswith("layers-"):
             give_up(self.frames)
         else:
             self.frames.resume()
@@ -302,15 +309,18 @@ class Peer(ladder.Mode):
 # ---- losses and gradients of compiled auto against compiled plain ---------------------------------------------
 
 
-def compare_compiled(bench: ladder.Bench, peers: dict[str, Peer], scenario: ladder.Scenario) -> list[dict]:
-    """Per length of the scenario, one step of ``compile-plain`` and one of ``compile-auto`` (as planned now) on
-    the same input: the loss and every gradient, their largest differences."""
-    if "compile-plain" not in peers or "compile-auto" not in peers:
+def compare_compiled(
+    bench: ladder.Bench, peers: dict[str, Peer], scenario: ladder.Scenario, plain: str = "compile-plain"
+) -> list[dict]:
+    """Per length of the scenario, one step of ``plain`` (``compile-plain`` or ``layers-plain``) and one of its
+    ``auto`` (as planned now) on the same input: the loss and every gradient, their largest differences."""
+    auto = plain.replace("-plain", "-auto")
+    if plain not in peers or auto not in peers:
         return []
     rows = []
     for seq in sorted(set(scenario.lengths)):
         grads = {}
-        for name in ("compile-plain", "compile-auto"):
+        for name in (plain, auto):
             peer = peers[name]
             model = peer.model
             peer.configure(model)
@@ -326,9 +336,11 @@ def compare_compiled(bench: ladder.Bench, peers: dict[str, Peer], scenario: ladd
                 model.zero_grad(set_to_none=True)
                 if peer.controller is not None:
                     peer.controller.end_step()
-        (loss_a, grads_a, _), (loss_b, grads_b, plan) = grads["compile-plain"], grads["compile-auto"]
+        (loss_a, grads_a, _), (loss_b, grads_b, plan) = grads[plain], grads[auto]
         rows.append(
             dict(
+                plain=plain,
+                auto=auto,
                 seq=seq,
                 auto_plan=plan,
                 loss_equal=bool(torch.equal(loss_a, loss_b)),
@@ -378,7 +390,9 @@ def run(bench: ladder.Bench, name: str, scenario: ladder.Scenario, rounds: int, 
     budgets = [m for m in modes if m.startswith("compile-") and m[len("compile-") :][0].isdigit()]
     fitting_budgets = [m for m in budgets if values[m]["fits"]]
     result["fastest_fitting_budget"] = min(fitting_budgets, key=lambda m: values[m]["median_s"], default=None)
-    result["compiled_equal"] = compare_compiled(bench, peers, scenario)
+    result["compiled_equal"] = compare_compiled(bench, peers, scenario) + compare_compiled(
+        bench, peers, scenario, "layers-plain"
+    )
     result["graph_breaks"] = graph_breaks()
     return result
 
@@ -462,8 +476,9 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
         for row in result["compiled_equal"]:
             loss = "equal" if row["loss_equal"] else f"differs by {row['loss_diff']:.2e}"
             grads = "equal" if row["grads_equal"] else f"differ by at most {row['grad_diff_rel']:.2e} of their largest"
+            pair = f"{row.get('auto', 'compile-auto')} against {row.get('plain', 'compile-plain')}"
             lines.append(
-                f"  - compile-auto against compile-plain at {row['seq']} tokens (plan offload, keep "
+                f"  - {pair} at {row['seq']} tokens (plan offload, keep "
                 f"{tuple(row['auto_plan'])}): loss {loss}, gradients {grads}"
             )
         auto = result["modes"].get("compile-auto")

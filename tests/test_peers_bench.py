@@ -45,3 +45,18 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
     assert result["compiled_equal"] and all(r["loss_equal"] and r["grads_equal"] for r in result["compiled_equal"])
     if "hf-offload" in modes:  # transformers' offload=True moves the layer inputs out of the allocator
         assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
+
+
+def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
+    """(c): the layers compiled in place, the rest eager; ``auto`` offloads, fits (its first step, before a reading,
+    no more over the budget than ``always``'s), compiles nothing in a timed step and gives the same model's plain
+    checkpointing's loss. Its gradients are not bit-identical there (5e-7 of their largest where a layer offloads;
+    on the whole model compiled they are, tests/test_compile.py): held close here, the cause not yet found."""
+    argv = ["--out", str(tmp_path), "--quick", "--scenario", "c", "--backend", "aot_eager_decomp_partition"]
+    assert peers.main([*argv, "--modes", "plain", "always", "layers-plain", "layers-auto"]) == 0
+    (result,) = json.loads((tmp_path / "peers.json").read_text())["results"]
+    auto = result["modes"]["layers-auto"]
+    assert auto["fits"] and auto["offloaded"] > 0 and auto["compile"]["graphs"]["timed"] == 0
+    rows = [r for r in result["compiled_equal"] if r["auto"] == "layers-auto"]
+    assert rows and all(r["loss_equal"] and r["grad_diff_rel"] < 1e-5 for r in rows)
+    assert "layers-auto against layers-plain" in (tmp_path / "peers.md").read_text()
