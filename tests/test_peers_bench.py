@@ -48,15 +48,19 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
 
 
 def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
-    """(c): the layers compiled in place, the rest eager; ``auto`` offloads, fits (its first step, before a reading,
-    no more over the budget than ``always``'s), compiles nothing in a timed step and gives the same model's plain
-    checkpointing's loss. Its gradients are not bit-identical there (5e-7 of their largest where a layer offloads;
-    on the whole model compiled they are, tests/test_compile.py): held close here, the cause not yet found."""
+    """(c): the layers compiled in place, the rest eager; ``auto`` offloads where needed, fits (its first step,
+    before a reading, no more over the budget than ``always``'s), compiles nothing in a timed step and gives the
+    same model's plain checkpointing's loss. Its gradients are not bit-identical there (5e-7 of their largest
+    where a layer offloads; on the whole model compiled they are, tests/test_compile.py): held close here, the
+    cause not yet found."""
     argv = ["--out", str(tmp_path), "--quick", "--scenario", "c", "--backend", "aot_eager_decomp_partition"]
     assert peers.main([*argv, "--modes", "plain", "always", "layers-plain", "layers-auto"]) == 0
     (result,) = json.loads((tmp_path / "peers.json").read_text())["results"]
     auto = result["modes"]["layers-auto"]
-    assert auto["fits"] and auto["offloaded"] > 0 and auto["compile"]["graphs"]["timed"] == 0
+    assert auto["fits"] and auto["compile"]["graphs"]["timed"] == 0
+    # offloads where the compiled layers with plain checkpointing do not fit (transformers 5.24 here; on 4.52.4
+    # the layers compiled in place fit (c)'s budget without offload)
+    assert auto["offloaded"] > 0 or result["modes"]["layers-plain"]["fits"]
     rows = [r for r in result["compiled_equal"] if r["auto"] == "layers-auto"]
     assert rows and all(r["loss_equal"] and r["grad_diff_rel"] < 1e-5 for r in rows)
     assert "layers-auto against layers-plain" in (tmp_path / "peers.md").read_text()
