@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from . import lifecycle
-from .apply.compile_guard import is_compiled
+from .apply.compile_guard import CompiledFrames, is_compiled
 from .apply.hooks import ForwardHooks
 from .apply.switch import CheckpointSwitch
 from .fallback import AT_END
@@ -82,11 +82,12 @@ class OffloadController(Run):
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
         self.host.set_budget(self.settings.host_memory)
+        frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
-            on_first_call=self._on_first_call, on_measured=self._on_measured,
+            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames,
         )  # fmt: skip
-        self._adopt(layout, is_compiled(model) if compiled is None else compiled)
+        self._adopt(layout, frames is not None)
         recompute, layers = self.settings.recompute, len(layout.layers)
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)
@@ -115,9 +116,8 @@ class OffloadController(Run):
         self.planner.attach(layout, compiled)
 
     def give_up(self, where: str, error: BaseException) -> None:
-        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing until the run ends
-        (the hooks removed, transformers-equivalent checkpoint functions installed), on every rank
-        (:mod:`autooffload.fallback`: what this rank owes the others)."""
+        """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing until the run ends,
+        on every rank (the hooks removed, plain functions installed; :mod:`autooffload.fallback`)."""
         self.failed, model = True, self._model
         self.fallback.give_up(where, error, model, [entry for entry, _ in self.layout.entries] if self.layout else [])
         try:

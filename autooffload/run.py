@@ -91,7 +91,8 @@ class Run:
         self._settings = settings
         self.warn = WarnOnce()
         self.failed = False  # autooffload.guard gave up: plain checkpointing until the run ends
-        self.host = host if host is not None else HostMemory()
+        # A probe that stands for a device in the CPU's memory (SimulatedDevice) needs offloaded inputs moved out of it.
+        self.host = host if host is not None else HostMemory(copy_cpu=bool(getattr(probe, "separate_host", False)))
         self.sizes = LayerSizes()
         self.memory = MemoryMonitor(probe, self.warn)
         self.agreement = RankAgreement(settings, self.warn)

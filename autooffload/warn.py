@@ -20,6 +20,7 @@ ANCHORS = {
     "probe-failed": "probe-failed",
     "probe-reset": "probe-reset",
     "probe-watch": "probe-watch",
+    "simulated-peak": "simulated-peak",
     "no-tokens": "no-tokens",
     "container-calls": "container-calls",
     "stacks-apart": "stacks-apart",

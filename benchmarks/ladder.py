@@ -13,7 +13,8 @@ Scenarios: (a) short micro-batches only, ample memory; (b) a mixed trace, one lo
 a budget where only the long ones need checkpointing (a long one without checkpointing does not fit) and where,
 past the keep margin, half the layers keep at the long length with room to spare (60% of what keeping every layer
 adds: sized at exactly half, the plan sits on the margin's edge); (c) long
-micro-batches under a budget that needs offload (a long one with every layer recomputing does not fit); (d) bf16
+micro-batches under a budget that needs offload (a long one with every layer recomputing does not fit; on the CPU
+micro-batches of ``offload_batch`` sequences, so that offload can lower the peak at all: see below); (d) bf16
 autocast over fp32 weights (each kept layer also keeps its weights' casts), a long micro-batch then four short
 ones, under (b)'s kind of budget; (e) two forwards before each backward (chosen and rejected as two calls),
 short micro-batches, room for 1.6 forwards' worth of kept layers: both forwards' kept layers are alive
@@ -21,15 +22,18 @@ together; (f) a model whose layers differ: a hybrid Jamba stack (state-space and
 attention ones with a mixture of experts; the reference PyTorch kernels), short micro-batches, room for three
 quarters of what keeping every layer adds. The CPU runs all six; the GPU and ``--quick`` by default (a)-(c).
 
-The budget is a memory probe of this script's design. CPU: a step's memory is its parameters, gradients and
-AdamW state (4 x the parameter bytes, a constant) plus the saved activations alive at the end of the forward,
-counted exactly by saved-tensor hooks around the forward (each storage once, parameters excluded; an offloaded
-input is in host memory and is not counted). The count depends only on the mode's plan and the length, so it
-is made once per (mode, length, plan, autocast) and reused, which keeps the hooks out of the timed steps; the
-forwards before one backward count together. GPU
-(``--device cuda``): the real allocator's ``max_memory_allocated`` over the step. The device's size is set
-per scenario from calibration readings (every layer recomputing, and none) so that the budget, memory_high x
-size, falls where the scenario says; every step's reading is checked against it.
+The budget is the step's real peak. CPU: the weights and AdamW's two moments (3 x the parameter bytes, held
+before the step) plus the most torch's CPU allocator held above that during the step's forwards and backward
+(:class:`autooffload.observe.allocations.AllocationPeak`: the allocator's own reports, the gradients, the
+recompute and the backward's transient buffers included; an offloaded input is copied to host buffers outside
+that allocator, as it would leave a GPU). The peak depends only on the mode's plan and the micro-batch, so it is
+counted once per (mode, length, plan, autocast) and reused, which keeps the counting (15-20% slower steps) out
+of almost every timed step; each mode reports how many of its timed steps were counted. On these models at one
+sequence of 1024 tokens the peak is at the end of the backward (every gradient, and the first layer's
+recompute and backward), where the offloaded inputs are back and freed: offload lowers it by nothing, hence
+(c)'s larger micro-batches. GPU (``--device cuda``): the real allocator's ``max_memory_allocated`` over the
+step. The device's size is set per scenario from calibration readings (every layer recomputing, and none) so
+that the budget, memory_high x size, falls where the scenario says; every step's reading is checked against it.
 
 Time: the process's CPU time per step on the CPU (``time.process_time``: a shared machine's other load moves
 it far less than wall time), CUDA events on the GPU. A step is forward + backward; gradients are dropped
@@ -61,8 +65,8 @@ from bench import cpu_model
 
 import autooffload
 from autooffload import MemoryReading, OffloadController, Settings
-from autooffload.apply.keep import SavedBytesCounter
 from autooffload.decide.ladder import KEEP_MARGIN
+from autooffload.observe.allocations import AllocationPeak
 
 MODES = ("none", "plain", "always", "auto")
 HIGH = 0.9
@@ -78,13 +82,17 @@ class Shape:
     dtype: str
     short: int
     long: int
+    # (c)'s micro-batch size: enough tokens that the step's real peak comes at the start of the backward, with
+    # every layer's input alive, where offload lowers it. With fewer, the peak is at the end of the backward
+    # (every gradient and the first layer's backward), which no offload lowers.
+    offload_batch: int = 1
 
 
 SHAPES = {
-    "cpu": Shape(4, 128, 4, 32, 1024, "fp32", 256, 1024),
+    "cpu": Shape(4, 128, 4, 32, 1024, "fp32", 256, 1024, offload_batch=4),
     # Qwen3-1.7B-like layers; sized for a one-call GPU check of a few minutes.
     "cuda": Shape(16, 2048, 16, 128, 1024, "bf16", 4096, 16384),
-    "quick": Shape(2, 64, 4, 16, 256, "fp32", 32, 128),  # checks the script, in seconds
+    "quick": Shape(2, 64, 4, 16, 256, "fp32", 32, 128, offload_batch=16),  # checks the script, in seconds
 }
 
 
@@ -159,6 +167,8 @@ def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
 class BudgetProbe:
     """A device of ``total`` bytes whose reading is the step's memory (see the module's docstring)."""
 
+    separate_host = True  # offloaded inputs leave torch's CPU allocator for host buffers, as they would leave a GPU
+
     def __init__(self, bench: Bench) -> None:
         self.bench = bench
         self.total = 1
@@ -175,36 +185,42 @@ class Bench:
         self.shape, self.device, self.kind = shape, device, kind
         self.model = build_model(shape, device, kind)
         parameters = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.static = 4 * parameters  # weights, gradients, AdamW's two moments
-        self.parameter_storages = {(p.device, p.untyped_storage().data_ptr()) for p in self.model.parameters()}
+        # Held before a step: weights and AdamW's two moments. The gradients are made in the step (set to None
+        # after each), so the step's measured peak holds them.
+        self.static = 3 * parameters
         self.counts: dict[tuple, int] = {}
 
-    def ids(self, seq: int, seed: int) -> torch.Tensor:
+    def ids(self, seq: int, seed: int, batch: int = 1) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
-        return torch.randint(0, self.shape.vocab, (1, seq), generator=generator).to(self.device)
+        return torch.randint(0, self.shape.vocab, (batch, seq), generator=generator).to(self.device)
 
 
 class Mode:
     def __init__(self, name: str, bench: Bench) -> None:
         self.name, self.bench = name, bench
+        self.model = bench.model  # shared by the modes, which set it up for their own step
         self.probe = BudgetProbe(bench)
         self.controller = None
         if name in ("always", "auto"):
             settings = Settings(recompute=name, memory_high=HIGH, memory_low=HIGH - 0.1)
             self.controller = OffloadController(settings, probe=self.probe)
         self.steps: list[dict[str, Any]] = []
+        self.profiled = False  # the last step ran with the allocator's peak counted (its time is inflated)
 
     def plan(self) -> tuple[int, int]:
         switch = self.controller.switch if self.controller is not None else None
         return (switch.offloaded, switch.kept) if switch is not None else (0, 0)
 
-    def step(self, seq: int, seed: int, timed: bool = True, autocast: bool = False, forwards: int = 1) -> dict:
-        """One optimizer step: ``forwards`` forwards of ``seq`` tokens (under bf16 autocast if asked), one backward."""
-        bench, model = self.bench, self.bench.model
-        set_checkpointing(model, self.name != "none")
-        if self.controller is not None:
-            self.controller.attach(model)
-        inputs = [bench.ids(seq, seed + i) for i in range(forwards)]
+    def step(
+        self, seq: int, seed: int, timed: bool = True, autocast: bool = False, forwards: int = 1, batch: int = 1
+    ) -> dict:
+        """One optimizer step: ``forwards`` forwards of ``batch`` x ``seq`` tokens (under bf16 autocast if asked),
+        one backward."""
+        bench, model = self.bench, self.model
+        self.configure(model)
+        if self.controller is not None and not (self.persistent and self.controller.switch is not None):
+            self.controller.attach(model, compiled=self.compiled)
+        inputs = [bench.ids(seq, seed + i, batch) for i in range(forwards)]
         try:
             if bench.device == "cuda":
                 reading, seconds, plans = self._cuda_step(model, inputs, autocast)
@@ -215,16 +231,35 @@ class Mode:
             if self.controller is not None:
                 self.controller.end_step()
         finally:
-            if self.controller is not None:
+            if self.controller is not None and not self.persistent:
                 self.controller.detach()
         offload, keep = max(p[0] for p in plans), min(p[1] for p in plans)
-        row = dict(seq=seq, seconds=seconds, reading=reading, offload=offload, keep=keep, plans=plans, timed=timed)
+        row = dict(
+            seq=seq, seconds=seconds, reading=reading, offload=offload, keep=keep, plans=plans, timed=timed,
+            profiled=self.profiled,
+        )  # fmt: skip
         self.steps.append(row)
         return row
 
+    # What another benchmark's modes (benchmarks/peers.py) change: how the shared model is set up for this mode's
+    # step, what a forward calls (a compiled model), and whether the controller sees a compiled model.
+    # a compiled model, and a controller that stays attached (a mode with a model of its own)
+    compiled = False
+    persistent = False
+
+    def configure(self, model: torch.nn.Module) -> None:
+        set_checkpointing(model, self.name != "none")
+
+    def settle(self, lengths: list[int], how: dict[str, Any]) -> None:
+        """After the warm-up, before the timed rounds: nothing more here (a compiled mode runs the trace until
+        nothing compiles)."""
+
+    def runner(self, model: torch.nn.Module) -> Any:
+        return model
+
     def _forward(self, model: torch.nn.Module, ids: torch.Tensor, autocast: bool) -> torch.Tensor:
         with torch.autocast(self.bench.device, dtype=torch.bfloat16, enabled=autocast):
-            return model(input_ids=ids, labels=ids).loss
+            return self.runner(model)(input_ids=ids, labels=ids).loss
 
     def _cuda_step(
         self, model: torch.nn.Module, inputs: list[torch.Tensor], autocast: bool
@@ -247,33 +282,43 @@ class Mode:
         self, model: torch.nn.Module, inputs: list[torch.Tensor], seq: int, autocast: bool
     ) -> tuple[int, float, list[tuple[int, int]]]:
         bench = self.bench
+        tokens = inputs[0].numel()
+        window, key = None, None
         began = time.process_time()
-        losses, plans, counted = [], [], 0
+        losses, plans = [], []
         for ids in inputs:
             if self.controller is not None:
                 # The plan is made in the forward pre-hook; decide it here first, so the cache key is known.
-                self.controller.before_forward(seq, seq)
+                self.controller.before_forward(seq, tokens)
                 plan = self.plan()
                 decide, self.controller.before_forward = self.controller.before_forward, lambda *call: 0
             else:
                 plan = (0, 0)
-            key = (self.name, seq, *plan, autocast)
+            plans.append(plan)
+            if key is None:
+                key = self.key(seq, tokens, plan, autocast, len(inputs))
+                if key not in bench.counts:
+                    window = AllocationPeak()
+                    window.start()
             try:
-                count = bench.counts.get(key)
-                if count is None:
-                    with SavedBytesCounter(bench.parameter_storages) as counter:
-                        losses.append(self._forward(model, ids, autocast))
-                    bench.counts[key] = count = counter.bytes
-                else:
-                    losses.append(self._forward(model, ids, autocast))
+                losses.append(self._forward(model, ids, autocast))
             finally:
                 if self.controller is not None:
                     self.controller.before_forward = decide
-            counted += count
-            plans.append(plan)
         sum(losses).backward()
+        del losses
         seconds = time.process_time() - began
-        return bench.static + counted, seconds, plans
+        self.profiled = window is not None
+        if window is not None:
+            bench.counts[key] = window.stop()
+        return bench.static + bench.counts[key], seconds, plans
+
+    def key(self, seq: int, tokens: int, plan: tuple[int, int], autocast: bool, forwards: int) -> tuple:
+        """What the step's peak depends on: the mode, the micro-batch, the (first forward's) plan, whether its
+        layers measure (the keep planner's counters hold each layer's tensors until its forward ends)."""
+        switch = self.controller.switch if self.controller is not None else None
+        measuring = switch is not None and switch.measuring
+        return (self.name, seq, tokens, *plan, measuring, autocast, forwards)
 
 
 # ---- scenarios ------------------------------------------------------------------------------------------
@@ -288,12 +333,14 @@ class Scenario:
     autocast: bool = False
     forwards: int = 1
     model: str = "qwen3"
+    batch: int = 1
 
 
-def reading(bench: Bench, name: str, seq: int, autocast: bool = False, forwards: int = 1) -> int:
+def reading(bench: Bench, name: str, seq: int, autocast: bool = False, forwards: int = 1, batch: int = 1) -> int:
     """A calibration reading: one step of ``name`` (``plain``: every layer recomputing; ``none``: every layer
     keeping, as no checkpointing does)."""
-    return Mode(name, bench).step(seq, seed=seq, timed=False, autocast=autocast, forwards=forwards)["reading"]
+    how = dict(autocast=autocast, forwards=forwards, batch=batch)
+    return Mode(name, bench).step(seq, seed=seq, timed=False, **how)["reading"]
 
 
 def budgets(bench: Bench, hybrid: Bench | None, names: list[str]) -> tuple[dict[str, Scenario], dict[str, int]]:
@@ -306,7 +353,8 @@ def budgets(bench: Bench, hybrid: Bench | None, names: list[str]) -> tuple[dict[
             readings[key] = reading(on, name, seq, **how)
         return readings[key]
 
-    layer_input = long * bench.shape.hidden * (4 if bench.shape.dtype == "fp32" else 2)
+    batch = bench.shape.offload_batch
+    layer_input = batch * long * bench.shape.hidden * (4 if bench.shape.dtype == "fp32" else 2)
     kept_room = HIGH - KEEP_MARGIN
     scenarios = {}
     for name in names:
@@ -321,8 +369,8 @@ def budgets(bench: Bench, hybrid: Bench | None, names: list[str]) -> tuple[dict[
             lengths = [short, short, long, short, short] if name == "b" else [long, short, short, short, short]
             scenarios[name] = Scenario(lengths, round(limit / kept_room), autocast=autocast)
         elif name == "c":
-            recompute = read(f"plain_{long}", bench, "plain", long)
-            scenarios[name] = Scenario([long] * 3, round((recompute - 0.5 * layer_input) / HIGH))
+            recompute = read(f"plain_{batch}x{long}", bench, "plain", long, batch=batch)
+            scenarios[name] = Scenario([long] * 3, round((recompute - 0.5 * layer_input) / HIGH), batch=batch)
         elif name == "e":
             one = read(f"none_{short}", bench, "none", short) - read(f"plain_{short}", bench, "plain", short)
             both = read(f"plain_{short}_x2", bench, "plain", short, forwards=2)
@@ -336,13 +384,19 @@ def budgets(bench: Bench, hybrid: Bench | None, names: list[str]) -> tuple[dict[
     return scenarios, readings
 
 
-def run_scenario(bench: Bench, name: str, scenario: Scenario, rounds: int) -> dict[str, Any]:
-    lengths, how = scenario.lengths, dict(autocast=scenario.autocast, forwards=scenario.forwards)
-    modes = [Mode(m, bench) for m in MODES]
+def run_scenario(
+    bench: Bench, name: str, scenario: Scenario, rounds: int, modes: list[Mode] | None = None
+) -> dict[str, Any]:
+    """Warm every mode up, then ``rounds`` rounds of the trace, modes interleaved step by step (``modes``: the
+    ladder's four by default)."""
+    lengths = scenario.lengths
+    how = dict(autocast=scenario.autocast, forwards=scenario.forwards, batch=scenario.batch)
+    modes = [Mode(m, bench) for m in MODES] if modes is None else modes
     for mode in modes:
         mode.probe.total = scenario.total
         for seq in sorted(set(lengths)) * 2 + [max(lengths)] + [min(lengths)] * 2:  # readings and measurements
             mode.step(seq, seed=seq, timed=False, **how)
+        mode.settle(lengths, how)
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):
@@ -353,6 +407,7 @@ def run_scenario(bench: Bench, name: str, scenario: Scenario, rounds: int) -> di
         lengths=lengths,
         autocast=scenario.autocast,
         forwards=scenario.forwards,
+        batch=scenario.batch,
         model=scenario.model,
         total_bytes=scenario.total,
         budget_bytes=limit,
@@ -373,12 +428,13 @@ def run_scenario(bench: Bench, name: str, scenario: Scenario, rounds: int) -> di
             max_reading_over_budget=max(s["reading"] for s in mode.steps) / limit,
             steps_over_budget=sum(s["reading"] > limit for s in timed),
             warmup_steps_over_budget=sum(s["reading"] > limit for s in mode.steps if not s["timed"]),
+            profiled_timed_steps=sum(s["profiled"] for s in timed),
             plans=sorted({(s["seq"], *p) for s in timed for p in s["plans"]}),
         )
     base = result["modes"]
     for values in base.values():
-        values["vs_none"] = values["median_s"] / base["none"]["median_s"]
-        values["vs_plain"] = values["median_s"] / base["plain"]["median_s"]
+        values["vs_none"] = values["median_s"] / base["none"]["median_s"] if "none" in base else None
+        values["vs_plain"] = values["median_s"] / base["plain"]["median_s"] if "plain" in base else None
     return result
 
 
@@ -437,7 +493,8 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
         "rounds, modes interleaved step by step (rotating order); spread = (slowest - fastest round) / median",
         f"- budget: memory_high {HIGH} x device size; reading = "
         + (
-            "parameters, gradients and AdamW state + saved activations at the end of the forward (counted)"
+            "weights and AdamW state + the step's peak on torch's CPU allocator (forwards and backward, gradients "
+            "and transients included)"
             if cpu
             else "max_memory_allocated over the step"
         ),
@@ -459,6 +516,7 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
         met = "met" if result["met"] else "NOT met"
         how = ", bf16 autocast" if result["autocast"] else ""
         how += f", {result['forwards']} forwards per backward" if result["forwards"] > 1 else ""
+        how += f", micro-batches of {result['batch']}" if result.get("batch", 1) > 1 else ""
         how += ", hybrid Jamba" if result["model"] == "jamba" else ""
         lines.append(
             f"- ({result['scenario']}) lengths {lengths}{how}; device {result['total_bytes'] / 2**20:.1f} MiB; "

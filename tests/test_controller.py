@@ -7,6 +7,7 @@ import torch
 from conftest import LAYERS, expected_bytes, model
 
 from autooffload import AutoOffloadWarning, OffloadController, Rescue, ScriptedProbe, Settings
+from autooffload.decide.activations import LayerShape
 
 
 def checkpointed_model():
@@ -179,9 +180,11 @@ def test_the_observation_carries_the_model_terms_and_the_optimizer_state_still_t
     params = sum(p.numel() * 4 for p in net.parameters())
     # AdamW allocates its two moments at the first step(): step 0's reading lacks them, step 1's holds them.
     assert [o.pending_bytes for o in (first, second, third)] == [0, 2 * params, 0]
-    # fp32 logits and their gradient, vocab 256; one layer's working set, hidden 64, intermediate 128.
+    # fp32 logits and their gradient, vocab 256; one layer's working set, hidden 64, intermediate 128: what the layer
+    # saves kept (the keep seed, above the (4 x hidden + 3 x intermediate) x 4 floor), which its recompute remakes.
     assert first.logits_bytes_per_token == 256 * 8
-    assert first.layer_work_bytes_per_token == (4 * 64 + 3 * 128) * 4
+    shape = LayerShape(64, 128, 4, 2, 16, 4)
+    assert first.layer_work_bytes_per_token == shape.bytes_per_token() > (4 * 64 + 3 * 128) * 4
 
 
 class Device:
@@ -230,16 +233,19 @@ def test_a_rescued_length_is_planned_with_more_offload_than_the_one_that_failed(
     net.model.norm.register_forward_pre_hook(device.forward_hook)
     rescue = Rescue(controller, net)
     levels = []
-    for seq in (100, 100, 130, 130, 130):
+    for seq in (100, 100, 130, 130, 130, 130):
         ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
         rescue.run(lambda ids=ids: net(input_ids=ids, labels=ids).loss.backward())
         levels.append(controller.level)
         controller.end_step()
-    # Step 2 planned nothing (765,920 bytes predicted fit under 90%) and failed; the rerun offloaded every layer.
-    # The reading (740,000) says less than the prediction, but the failure says the step needed the device:
-    # the next steps of that length offload more than the attempt that failed, and do not fail again.
-    assert device.failures == [(2, 0)] and controller.record.rescues == 1
-    assert levels[3] > 0 and levels[4] > 0
+    # Step 2, the first of 130 tokens, is planned from the config's seed slope (the loss's buffers, a layer's
+    # recompute and the inputs, all per token) and offloads. Step 3, planned from step 2's sample (765,920 bytes as
+    # if nothing offloaded, under 90%), plans nothing and fails; the rerun offloads every layer. The reading
+    # (740,000) says less than the prediction, but the failure says the step needed the device: the next steps of
+    # that length offload more than the attempt that failed, and do not fail again.
+    assert levels[2] > 0
+    assert device.failures == [(3, 0)] and controller.record.rescues == 1
+    assert levels[4] > 0 and levels[5] > 0
 
 
 class ResettingProbe(ScriptedProbe):

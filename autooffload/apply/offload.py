@@ -90,7 +90,8 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     A tensor the budget or the host cannot take stays on the device. A non-contiguous one (rare in a
     decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
-    it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning).
+    it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning) or stands for the
+    host of a simulated device (``host.copy_cpu``).
     """
 
     def __init__(self, stats: OffloadStats, host: HostMemory, layer_input: LayerInput = None) -> None:
@@ -102,7 +103,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             if filtered and storage_key(tensor) not in only:
                 return tensor.device, tensor, None
             nbytes = tensor.numel() * tensor.element_size()
-            if tensor.device.type == "cpu" and not host.pin:
+            if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
                 stats.add(nbytes)
                 return tensor.device, tensor, None
             if tensor.is_sparse or not tensor.is_contiguous():

@@ -14,9 +14,13 @@ Each module gets functions built on ``torch.utils.checkpoint.checkpoint`` with i
 the keys that are not torch's (``offload``, ``every_n_layers``): a plain one, one that runs under the
 saved-tensor hooks of the offload engine (``sync``: :class:`~autooffload.apply.offload.HostOffloadHooks`;
 ``stream``: :mod:`~autooffload.apply.stream_engine`), and the keep rung's (:mod:`~autooffload.apply.keep`).
-They are closures, not partials, on purpose: torch.compile guards a called function by its code object, so
-swapping between two closures is seen (one recompile per variant, then cached), while a swap between two
-``functools.partial`` objects is not guarded at all and would silently keep running the first one.
+They are closures (:mod:`.functions`), not partials: torch.compile guards a called function by its code object.
+
+Under torch.compile (``compiled``) the functions take the forms that cost least there (measured in
+``docs/compile.md``): a recomputing layer's function counts nothing, so that dynamo traces it into the model's
+graph without a break (the calls of an offloading layer are still counted: they are the ones the bytes moved
+are held to); an offloading or measuring function runs its own frame eagerly (saved-tensor hooks, which dynamo
+cannot trace, and counters), and the layer it calls is compiled as a frame of its own, once per variant.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..observe.saved import parameter_storages
 from ..observe.targets import (
@@ -37,61 +40,17 @@ from ..observe.targets import (
 )
 from ..observe.wrapped import rewrap
 from ..warn import WarnOnce
+from .compile_guard import CompiledFrames
 from .engines import OffloadEngine, make_engine
 from .forward import ForwardState, LayerCalls
+from .functions import dispatch_function, eager_frame, offload_function, plain_function
 from .host_memory import HostMemory
 from .keep import keep_function, measuring_keep_function, measuring_plain_function
 from .layer_inputs import argument_names
 from .offload import OffloadStats
 
-
-def _plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
-    if counted is None:
-
-        def checkpoint_plain(function, *args, **call_kwargs):
-            return checkpoint(function, *args, **kwargs, **call_kwargs)
-
-        return checkpoint_plain
-
-    def checkpoint_plain(function, *args, **call_kwargs):
-        counted(args)
-        return checkpoint(function, *args, **kwargs, **call_kwargs)
-
-    return checkpoint_plain
-
-
-@torch.compiler.disable
-def _packing(stats: OffloadStats, position: int) -> None:
-    """The engine's hooks run for layer ``position`` next: an input it cannot move is that layer's."""
-    stats.layer = position
-
-
-def _dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
-    def checkpoint_layer_call(function, *args, **call_kwargs):
-        return calls.next()(function, *args, **call_kwargs)
-
-    return checkpoint_layer_call
-
-
-def _offload_function(
-    kwargs: dict[str, Any],
-    engine: OffloadEngine,
-    last: bool,
-    forward: ForwardState,
-    position: int,
-    stats: OffloadStats,
-) -> Callable[..., Any]:
-    counted = forward.counter(position)
-
-    def checkpoint_offload(function, *args, **call_kwargs):
-        inputs = forward.claim(counted(args))
-        if not inputs:
-            return checkpoint(function, *args, **kwargs, **call_kwargs)
-        _packing(stats, position)
-        with engine.hooks(last, inputs):
-            return checkpoint(function, *args, **kwargs, **call_kwargs)
-
-    return checkpoint_offload
+# Plans in a row without eager-frame functions before dynamo gets the model's frames back (see _give_frames_back).
+RESUME_AFTER = 8
 
 
 def _slot_module(slot: Any) -> torch.nn.Module:
@@ -122,7 +81,10 @@ class CheckpointSwitch:
     outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`~autooffload.apply.engines.OffloadEngine`; ``host``: where a named engine takes its host buffers
     (default: a manager of its own); ``watched``: without targets (checkpointing turned off), the attributes
-    that held functions before, which :meth:`unchanged` watches.
+    that held functions before, which :meth:`unchanged` watches; ``frames``: given where the model runs under
+    torch.compile, whose functions then take the forms that cost least there (module docs), and its frames are
+    given back to dynamo when plans without eager-frame functions follow one with them
+    (:class:`~autooffload.apply.compile_guard.CompiledFrames`).
     """
 
     def __init__(
@@ -135,26 +97,33 @@ class CheckpointSwitch:
         watched: list[tuple[torch.nn.Module, str]] | None = None,
         on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None,
         on_measured: Callable[[int, int, int, Any], None] | None = None,
+        frames: CompiledFrames | None = None,
     ) -> None:
         self.targets = targets
+        self.compiled, self.frames = frames is not None, frames
+        compiled = self.compiled
+        self._given_up = False  # an eager-frame plan ran since dynamo last had the frames back
+        self._whole = 0  # micro-batches planned in a row without eager-frame functions
+        eager = eager_frame if compiled else (lambda function: function)
         self.stats = stats
         self.on_first_call, self.on_measured = on_first_call, on_measured
         self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched or []] if not targets else []
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
         self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
-        self._plain = {id(t): self._tag(_plain_function(t.kwargs), t) for t in targets}
+        self._plain = {id(t): self._tag(plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
         self._hooks: list[Any] = []
         self.layers = planned_layers(targets)
         self.forward = ForwardState(len(self.layers))
         self._plain_layer = [
-            self._tag(_plain_function(s.target.kwargs, self.forward.counter(i)), s.target)
+            self._tag(plain_function(s.target.kwargs, None if compiled else self.forward.counter(i)), s.target)
             for i, s in enumerate(self.layers)
         ]
         self._offload = [
             self._tag(
-                _offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i, stats), s.target
+                eager(offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i, stats)),
+                s.target,
             )
             for i, s in enumerate(self.layers)
         ]
@@ -164,8 +133,10 @@ class CheckpointSwitch:
         self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
         self._keep_measured = [
             self._tag(
-                measuring_keep_function(
-                    functools.partial(parameter_storages, [s.target.module]), functools.partial(self._reporter, i)
+                eager(
+                    measuring_keep_function(
+                        functools.partial(parameter_storages, [s.target.module]), functools.partial(self._reporter, i)
+                    )
                 ),
                 s.target,
             )
@@ -173,10 +144,12 @@ class CheckpointSwitch:
         ]
         self._plain_measured = [
             self._tag(
-                measuring_plain_function(
-                    _plain_function(s.target.kwargs, self.forward.counter(i)),
-                    functools.partial(parameter_storages, [s.target.module]),
-                    functools.partial(self._reporter, i),
+                eager(
+                    measuring_plain_function(
+                        plain_function(s.target.kwargs, self.forward.counter(i)),
+                        functools.partial(parameter_storages, [s.target.module]),
+                        functools.partial(self._reporter, i),
+                    )
                 ),
                 s.target,
             )
@@ -187,7 +160,7 @@ class CheckpointSwitch:
                 calls = LayerCalls(target, self._plain[id(target)])
                 self._calls[id(target)] = calls
                 self.forward.calls.append(calls)
-                setattr(target.module, target.attribute, self._tag(_dispatch_function(calls), target, wrap=False))
+                setattr(target.module, target.attribute, self._tag(dispatch_function(calls), target, wrap=False))
                 self._hooks.append(target.module.register_forward_pre_hook(self._container_forward(calls)))
             else:
                 self._install(target, self._plain[id(target)])
@@ -215,6 +188,7 @@ class CheckpointSwitch:
         keep = max(0, min(keep, len(self.layers) - k))
         measure = measure and k < len(self.layers)
         order = tuple(range(len(self.layers))) if order is None else tuple(order)
+        self._give_frames_back(eager=self.compiled and (k > 0 or measure))
         if (k, keep, measure, order) == (self.offloaded, self.kept, self.measuring, self.order):
             return
         first_kept = len(self.layers) - keep
@@ -235,6 +209,20 @@ class CheckpointSwitch:
                 self._install(slot.target, function)
         self.offloaded, self.kept, self.measuring, self.order = k, keep, measure, order
         self._installed = [(t.module, t.attribute, getattr(t.module, t.attribute)) for t in self.targets]
+
+    def _give_frames_back(self, eager: bool) -> None:
+        """Under torch.compile, one call per micro-batch's plan: after ``RESUME_AFTER`` plans in a row without
+        eager-frame functions, give dynamo back the frames an earlier one made it give up on
+        (:class:`~autooffload.apply.compile_guard.CompiledFrames`): the whole graph runs again. Not sooner: the
+        next eager-frame plan after that costs a trace up to its graph break (measured: 0.7-0.9 s on a 2-layer
+        Qwen3 on a CPU), which plans that come and go (one long micro-batch in five) would pay every time."""
+        if eager:
+            self._given_up, self._whole = True, 0
+            return
+        self._whole += 1
+        if self._given_up and self._whole >= RESUME_AFTER and self.frames is not None:
+            self.frames.resume()
+            self._given_up = False
 
     def _first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no
@@ -328,8 +316,9 @@ class CheckpointSwitch:
         self.close()
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
         return CheckpointSwitch(
-            targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured
-        )
+            targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured,
+            self.frames,
+        )  # fmt: skip
 
     def checkpointing_off(self) -> bool:
         """Every target has checkpointing turned off (a reference forward between a trainer's disable and enable)."""
@@ -372,6 +361,6 @@ def install_plain(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Ca
         function = getattr(module, attribute, None) if attribute else None
         kwargs = torch_checkpoint_kwargs(function) if function is not None else None
         if kwargs is not None:
-            setattr(module, attribute, _plain_function(kwargs))
+            setattr(module, attribute, plain_function(kwargs))
             installed.append((module, attribute, getattr(module, attribute)))
     return installed

@@ -146,7 +146,10 @@ class Planner:
             reason = "rank_agreement"
         if self.compiled and (level, keep) != installed and not first:
             self.budget.switched()
-        measure = self.settings.recompute == "auto" and not self.compiled and self.stacks <= 1
+        # Counting what a layer keeps holds its activations until its forward ends (the counter needs them alive):
+        # under a budget that needs offload, that can be the step's peak. Where anything offloads nothing keeps at
+        # that length anyway, so only a micro-batch that offloads nothing counts.
+        measure = self.settings.recompute == "auto" and self.stacks <= 1 and level == 0
         measure = measure and self.keep.wants(level, tokens, seq_len)
         footprint = tokens * slope_terms(self.layers, tokens, sized.bytes_per_layer, *self.token_terms)[1]
         self.keep.forward(tokens, seq_len, max(0, min(keep, self.layers - level)), self.keep_plain, footprint)

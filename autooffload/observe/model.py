@@ -111,7 +111,10 @@ def token_terms(model: torch.nn.Module) -> tuple[float | None, float | None]:
     if hidden is None:
         return logits, None
     intermediate = _positive_int(getattr(config, "intermediate_size", None)) or 4 * hidden
-    return logits, layer_work_bytes_per_token(hidden, intermediate, size)
+    work = layer_work_bytes_per_token(hidden, intermediate, size)
+    shape = layer_shape(model)
+    # A layer's recompute makes again what it would save kept (the keep seed), and its backward works on that.
+    return logits, max(work, shape.bytes_per_token()) if shape is not None else work
 
 
 def matrix_weights(module: torch.nn.Module, calls: int = 1) -> int:

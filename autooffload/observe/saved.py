@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 
+@torch.compiler.disable
 def _outer_hooks() -> tuple[Callable, Callable] | None:
     """The saved-tensor hooks in force around this call (torch >= 2.5 exposes them), or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

@@ -1,0 +1,75 @@
+"""Apply: the checkpoint functions a switch installs (:mod:`.switch`), each built on
+``torch.utils.checkpoint.checkpoint`` with a module's own checkpoint kwargs.
+
+They are closures, not partials, on purpose: torch.compile guards a called function by its code object, so
+swapping between two closures is seen (one recompile per variant, then cached), while a swap between two
+``functools.partial`` objects is not guarded at all and would silently keep running the first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .engines import OffloadEngine
+from .forward import ForwardState, LayerCalls
+from .offload import OffloadStats
+
+
+def plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
+    if counted is None:
+
+        def checkpoint_plain(function, *args, **call_kwargs):
+            return checkpoint(function, *args, **kwargs, **call_kwargs)
+
+        return checkpoint_plain
+
+    def checkpoint_plain(function, *args, **call_kwargs):
+        counted(args)
+        return checkpoint(function, *args, **kwargs, **call_kwargs)
+
+    return checkpoint_plain
+
+
+@torch.compiler.disable
+def _packing(stats: OffloadStats, position: int) -> None:
+    """The engine's hooks run for layer ``position`` next: an input it cannot move is that layer's."""
+    stats.layer = position
+
+
+def eager_frame(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``'s own frame runs eagerly under torch.compile, what it calls is compiled: without it dynamo
+    traces into the function up to the saved-tensor hooks and resumes after them in fragments, and guards on the
+    values its counters build (a set of storages), recompiling at every call."""
+    return torch.compiler.disable(function, recursive=False)
+
+
+def dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
+    def checkpoint_layer_call(function, *args, **call_kwargs):
+        return calls.next()(function, *args, **call_kwargs)
+
+    return checkpoint_layer_call
+
+
+def offload_function(
+    kwargs: dict[str, Any],
+    engine: OffloadEngine,
+    last: bool,
+    forward: ForwardState,
+    position: int,
+    stats: OffloadStats,
+) -> Callable[..., Any]:
+    counted = forward.counter(position)
+
+    def checkpoint_offload(function, *args, **call_kwargs):
+        inputs = forward.claim(counted(args))
+        if not inputs:
+            return checkpoint(function, *args, **kwargs, **call_kwargs)
+        _packing(stats, position)
+        with engine.hooks(last, inputs):
+            return checkpoint(function, *args, **kwargs, **call_kwargs)
+
+    return checkpoint_offload

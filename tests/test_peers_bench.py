@@ -1,0 +1,66 @@
+"""benchmarks/peers.py runs end to end (the ladder's tiny model, one round, ``aot_eager_decomp_partition``, whose
+partitioner reads ``activation_memory_budget`` as inductor's does): every peer runs, autooffload's modes fit the
+real-peak budget, and compiled ``auto`` gives compiled plain checkpointing's loss and gradients bit for bit with no
+graph compiled in a timed step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+peers = _load("peers")
+
+MODES = ["none", "plain", "auto", "hf-offload", "sac", "every-2nd", "compile-plain", "compile-0.5", "compile-auto"]
+
+
+def test_quick_run_of_every_kind_of_peer(tmp_path):
+    argv = ["--out", str(tmp_path), "--quick", "--scenario", "b", "--backend", "aot_eager_decomp_partition"]
+    assert peers.main([*argv, "--modes", *MODES]) == 0
+    data = json.loads((tmp_path / "peers.json").read_text())
+    (result,) = data["results"]
+    modes = result["modes"]
+    options = peers.transformers_options()  # every_n_layers from transformers 5.16, offload from 5.17
+    needs = {"every-2nd": "every_n_layers", "hf-offload": "offload"}
+    ran = [m for m in MODES if m not in needs or needs[m] in options]
+    assert list(modes) == ran and "| b | compile-auto |" in (tmp_path / "peers.md").read_text()
+    assert not modes["none"]["fits"]  # (b)'s long micro-batch does not fit without checkpointing
+    assert modes["auto"]["fits"] and modes["compile-auto"]["fits"]
+    assert modes["auto"]["kept"] > 0 and modes["compile-auto"]["kept"] > 0
+    assert modes["compile-auto"]["compile"]["graphs"]["timed"] == 0
+    assert result["compiled_equal"] and all(r["loss_equal"] and r["grads_equal"] for r in result["compiled_equal"])
+    if "hf-offload" in modes:  # transformers' offload=True moves the layer inputs out of the allocator
+        assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
+
+
+def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
+    """(c): the layers compiled in place, the rest eager; ``auto`` offloads where needed, fits (its first step,
+    before a reading, no more over the budget than ``always``'s), compiles nothing in a timed step and gives the
+    same model's plain checkpointing's loss. Its gradients are not bit-identical there (5e-7 of their largest
+    where a layer offloads; on the whole model compiled they are, tests/test_compile.py): held close here, the
+    cause not yet found."""
+    argv = ["--out", str(tmp_path), "--quick", "--scenario", "c", "--backend", "aot_eager_decomp_partition"]
+    assert peers.main([*argv, "--modes", "plain", "always", "layers-plain", "layers-auto"]) == 0
+    (result,) = json.loads((tmp_path / "peers.json").read_text())["results"]
+    auto = result["modes"]["layers-auto"]
+    assert auto["fits"] and auto["compile"]["graphs"]["timed"] == 0
+    # offloads where the compiled layers with plain checkpointing do not fit (transformers 5.24 here; on 4.52.4
+    # the layers compiled in place fit (c)'s budget without offload)
+    assert auto["offloaded"] > 0 or result["modes"]["layers-plain"]["fits"]
+    rows = [r for r in result["compiled_equal"] if r["auto"] == "layers-auto"]
+    assert rows and all(r["loss_equal"] and r["grad_diff_rel"] < 1e-5 for r in rows)
+    assert "layers-auto against layers-plain" in (tmp_path / "peers.md").read_text()
