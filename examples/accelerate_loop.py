@@ -27,6 +27,7 @@ offloaded, and the bytes moved, which must equal layers x tokens x hidden x dtyp
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -146,9 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     controller.detach()
     if accelerator.is_main_process:
         print(summary, flush=True)
-    accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # DeepSpeed's ranks can abort at exit without it
+    # Nothing left that holds the group's work (DDP's reducer), and every rank past its last collective, before any
+    # rank tears the group down: else a gloo rank can abort at exit ("terminate called without an active exception").
+    del model, optimizer, loader
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group
+    if torch.distributed.is_initialized():  # DeepSpeed's ranks abort at exit without the destroy
+        torch.distributed.destroy_process_group()
     return 0 if all(step_ok) else 1
 
 
