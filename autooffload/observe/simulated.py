@@ -82,7 +82,7 @@ class SimulatedDevice:
         self._model: torch.nn.Module | None = None
         self._optimizer: Callable[[], Any] = lambda: None
         self._handles: list[Any] = []
-        self._counters: list[SavedBytesCounter] = []
+        self._counters: list[SavedBytesCounter | None] = []
         self._excluded: set = set()
         self._held: dict[str, int] = {}
         self._activations: int | None = None
