@@ -92,7 +92,7 @@ class AutoOffload(Callback):
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         rescue: bool | None = None,
-        host_memory: str | None = None,
+        host_memory: str | float | None = None,
         model: str | Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         history_dir: str | os.PathLike | None = None,
     ) -> None:
