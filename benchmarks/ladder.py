@@ -512,17 +512,22 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
             )
     lines += ["", "Scenarios and targets:", ""]
     for result in results:
-        lengths = ", ".join(map(str, result["lengths"]))
         met = "met" if result["met"] else "NOT met"
-        how = ", bf16 autocast" if result["autocast"] else ""
-        how += f", {result['forwards']} forwards per backward" if result["forwards"] > 1 else ""
-        how += f", micro-batches of {result['batch']}" if result.get("batch", 1) > 1 else ""
-        how += ", hybrid Jamba" if result["model"] == "jamba" else ""
         lines.append(
-            f"- ({result['scenario']}) lengths {lengths}{how}; device {result['total_bytes'] / 2**20:.1f} MiB; "
-            f"target: {TARGETS[result['scenario']]}, no step of always or auto over the budget: **{met}**"
+            f"- {describe(result)}; target: {TARGETS[result['scenario']]}, no step of always or auto over the "
+            f"budget: **{met}**"
         )
     return "\n".join(lines) + "\n"
+
+
+def describe(result: dict) -> str:
+    """A scenario's line in a table's notes: its lengths, how it runs and its device's size."""
+    lengths = ", ".join(map(str, result["lengths"]))
+    how = ", bf16 autocast" if result["autocast"] else ""
+    how += f", {result['forwards']} forwards per backward" if result["forwards"] > 1 else ""
+    how += f", micro-batches of {result['batch']}" if result.get("batch", 1) > 1 else ""
+    how += ", hybrid Jamba" if result["model"] == "jamba" else ""
+    return f"({result['scenario']}) lengths {lengths}{how}; device {result['total_bytes'] / 2**20:.1f} MiB"
 
 
 def main(argv: list[str] | None = None) -> int:

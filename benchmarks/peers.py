@@ -462,15 +462,7 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
             )
     lines += ["", "Per scenario:", ""]
     for result in results:
-        lengths = ", ".join(map(str, result["lengths"]))
-        how = ", bf16 autocast" if result["autocast"] else ""
-        how += f", {result['forwards']} forwards per backward" if result["forwards"] > 1 else ""
-        how += f", micro-batches of {result['batch']}" if result.get("batch", 1) > 1 else ""
-        how += ", hybrid Jamba" if result["model"] == "jamba" else ""
-        lines.append(
-            f"- ({result['scenario']}) lengths {lengths}{how}; device {result['total_bytes'] / 2**20:.1f} MiB; "
-            f"fastest peer that fits: {result['fastest_fitting_peer']}"
-        )
+        lines.append(f"- {ladder.describe(result)}; fastest peer that fits: {result['fastest_fitting_peer']}")
         for verdict in verdicts(result):
             lines.append(f"  - {verdict}")
         for row in result["compiled_equal"]:
