@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 import pytest
 import torch
@@ -88,3 +90,46 @@ def train(tmp_path, lengths, callbacks=(), offload: object = "auto", steps: int 
 
 def expected_bytes(seq: int, batch: int = 1, layers: int = LAYERS, hidden: int = HIDDEN, dtype_bytes: int = 4) -> int:
     return layers * batch * seq * hidden * dtype_bytes
+
+
+def random_ids(seq: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
+
+
+def layer_frames(step) -> int:
+    """How many times a decoder layer's Python frame ran in ``step()``: 0 when the model ran as one graph."""
+    calls = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code  # GradientCheckpointingLayer's wrapper: forward_with_checkpointing (5.x), __call__ (4.x)
+        names = ("forward_with_checkpointing", "__call__")
+        if event == "call" and code.co_filename.endswith("modeling_layers.py") and code.co_name in names:
+            calls.append(1)
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+@functools.cache
+def compiles_whole() -> bool:
+    """Does the tiny model, compiled with transformers' own checkpointing, run as one graph? transformers 5.25
+    breaks the graph inside every checkpointed layer (a context variable set in the layer's forward): its layers
+    always run as frames of their own, so a switch compiles nothing and there is no whole graph to give back."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    net = model().train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(net, backend="aot_eager")
+
+    def step():
+        compiled(input_ids=random_ids(80), labels=random_ids(80)).loss.backward()
+
+    step()
+    whole = layer_frames(step) == 0
+    torch._dynamo.reset()
+    return whole

@@ -10,13 +10,11 @@ layers.
 from __future__ import annotations
 
 import copy
-import functools
 import os
-import sys
 
 import pytest
 import torch
-from conftest import LAYERS, expected_bytes, model, train
+from conftest import LAYERS, compiles_whole, expected_bytes, layer_frames, model, random_ids, train
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, ScriptedProbe, Settings
 from autooffload.apply.compile_guard import compiled_graphs
@@ -58,25 +56,6 @@ def compiled_run(tmp_path, budget: int):
 
     train(tmp_path, LENGTHS, callbacks=[callback, Record()], torch_compile=True, torch_compile_backend="aot_eager")
     return callback.controller, moved
-
-
-@functools.cache
-def compiles_whole() -> bool:
-    """Does the tiny model, compiled with transformers' own checkpointing, run as one graph? transformers 5.25
-    breaks the graph inside every checkpointed layer (a context variable set in the layer's forward): its layers
-    always run as frames of their own, so a switch compiles nothing and there is no whole graph to give back."""
-    torch_dynamo.reset()
-    net = model().train()
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    compiled = torch.compile(net, backend="aot_eager")
-
-    def step():
-        compiled(input_ids=_ids(80), labels=_ids(80)).loss.backward()
-
-    step()
-    whole = _layer_frames(step) == 0
-    torch_dynamo.reset()
-    return whole
 
 
 def test_switch_takes_effect_in_a_compiled_model_within_the_budget(tmp_path):
@@ -130,28 +109,6 @@ def test_keep_under_compile_takes_allowed_levels_within_the_budget(tmp_path):
 # ---- the rungs under compile ------------------------------------------------------------------------------
 
 
-def _ids(seq: int, batch: int = 2) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
-
-
-def _layer_frames(step) -> int:
-    """How many times a decoder layer's Python frame ran in ``step()``: 0 when the model ran as one graph."""
-    calls = []
-
-    def profile(frame, event, arg):
-        code = frame.f_code  # GradientCheckpointingLayer's wrapper: forward_with_checkpointing (5.x), __call__ (4.x)
-        names = ("forward_with_checkpointing", "__call__")
-        if event == "call" and code.co_filename.endswith("modeling_layers.py") and code.co_name in names:
-            calls.append(1)
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return len(calls)
-
-
 PLANS = [(0, 0, False), (0, 2, True), (0, 2, False), (1, 0, False), (1, 2, False), (0, 4, False), (0, 0, False)]
 
 
@@ -175,7 +132,7 @@ def test_keep_recompute_and_offload_under_compile_match_compiled_plain_and_compi
         for level, keep, measure in PLANS:
             controller.switch.apply(level, keep, measure)
             for run in (compiled_reference, compiled):
-                loss = run(input_ids=_ids(80), labels=_ids(80)).loss
+                loss = run(input_ids=random_ids(80), labels=random_ids(80)).loss
                 loss.backward()
                 run.loss = loss.detach()
             assert torch.equal(compiled_reference.loss, compiled.loss), (level, keep, measure)
@@ -190,16 +147,16 @@ def test_keep_recompute_and_offload_under_compile_match_compiled_plain_and_compi
     assert graphs[0] > 0 and graphs[2] == 0
 
     def step():
-        compiled(input_ids=_ids(80), labels=_ids(80)).loss.backward()
+        compiled(input_ids=random_ids(80), labels=random_ids(80)).loss.backward()
 
     controller.switch.apply(1, 0)
-    assert _layer_frames(step) == LAYERS  # an offloading layer: the layers run as frames of their own
+    assert layer_frames(step) == LAYERS  # an offloading layer: the layers run as frames of their own
     for _ in range(RESUME_AFTER - 1):
         controller.switch.apply(0, 0)
-        assert _layer_frames(step) == LAYERS  # dynamo has not had the frames back yet
+        assert layer_frames(step) == LAYERS  # dynamo has not had the frames back yet
     controller.switch.apply(0, 0)
     # RESUME_AFTER plans without eager frames: one graph again, where transformers' checkpointing compiles whole
-    assert _layer_frames(step) == (0 if whole else LAYERS)
+    assert layer_frames(step) == (0 if whole else LAYERS)
     net.zero_grad(set_to_none=True)
 
 
@@ -214,7 +171,7 @@ def test_under_compile_a_recomputing_layer_is_traced_whole_and_offload_still_cou
     controller.attach(net, compiled=True)
     controller.before_forward = lambda *call: 0
     controller.switch.apply(2, 0)
-    compiled(input_ids=_ids(48), labels=_ids(48)).loss.backward()
+    compiled(input_ids=random_ids(48), labels=random_ids(48)).loss.backward()
     offloading = controller.switch.offloading
     counts = controller.switch.forward.take_counts()
     assert [counts[p] for p in range(LAYERS) if p in offloading] == [1, 1]

@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from conftest import compiles_whole
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +44,11 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
     assert modes["auto"]["fits"] and modes["compile-auto"]["fits"]
     assert modes["auto"]["kept"] > 0 and modes["compile-auto"]["kept"] > 0
     assert modes["compile-auto"]["compile"]["graphs"]["timed"] == 0
-    assert result["compiled_equal"] and all(r["loss_equal"] and r["grads_equal"] for r in result["compiled_equal"])
+    # Bit for bit where transformers' checkpointed layers compile as one graph with the model; where they break the
+    # graph (transformers 5.25), a kept layer's graph and a recomputing one's are partitioned apart and may order
+    # their sums differently
+    equal = (lambda r: r["grads_equal"]) if compiles_whole() else (lambda r: r["grad_diff_rel"] < 1e-5)
+    assert result["compiled_equal"] and all(r["loss_equal"] and equal(r) for r in result["compiled_equal"])
     if "hf-offload" in modes:  # transformers' offload=True moves the layer inputs out of the allocator
         assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
 
