@@ -151,6 +151,7 @@ CHILD = textwrap.dedent(
     # Pinning stands in (a CPU cannot pin): buffers are real anonymous mappings, counted by RLIMIT_AS.
     host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None)
     controller = OffloadController(Settings(mode="on"), probe=None, host=host)
+    before = tightest(read_limits()).available  # attach reads the limits between this reading and the next
     controller.attach(model)
     binding = tightest(read_limits())
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -167,7 +168,7 @@ CHILD = textwrap.dedent(
     room = torch.empty(int(0.3 * left), dtype=torch.uint8)  # the process's own allocations still fit
     print(json.dumps(dict(
         limit=resource.getrlimit(resource.RLIMIT_AS)[0], binding=binding.name, available=binding.available,
-        budget=host.budget_bytes, source=host.budget_source, peak=host.peak_held_bytes, moved=moved,
+        before=before, budget=host.budget_bytes, source=host.budget_source, peak=host.peak_held_bytes, moved=moved,
         refused=refused, room=room.numel(),
     )))
     """
@@ -193,6 +194,8 @@ def test_under_a_real_ulimit_v_the_budget_and_every_buffer_stay_within_it(tmp_pa
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["limit"] == limit_kib * 1024 and result["binding"] == "RLIMIT_AS (ulimit -v)"
     assert result["available"] < 768 * 2**20
-    assert result["source"] == "RLIMIT_AS (ulimit -v)" and result["budget"] == result["available"] // 2
+    # half of what the limit left when attach read it (the process maps a little more as it goes)
+    assert result["source"] == "RLIMIT_AS (ulimit -v)"
+    assert result["available"] // 2 <= result["budget"] <= result["before"] // 2
     assert 0 < result["peak"] <= result["budget"] and result["moved"] > 0
     assert result["refused"] and result["room"] > 0
