@@ -177,3 +177,34 @@ def test_under_compile_a_recomputing_layer_is_traced_whole_and_offload_still_cou
     assert [counts[p] for p in range(LAYERS) if p in offloading] == [1, 1]
     assert [counts[p] for p in range(LAYERS) if p not in offloading] == [0, 0]
     assert controller.stats.next_step() == expected_bytes(48, batch=2, layers=2)
+
+
+@pytest.mark.parametrize("again", ["rebuilt", "attached"])
+def test_frames_given_up_before_a_rebuild_or_a_new_attach_are_given_back(again):
+    """The frames an offloading plan made dynamo give up on are given back after ``RESUME_AFTER`` plans without
+    eager frames also where the switch was rebuilt in between (a trainer's disable and enable around a reference
+    forward) or the model attached again (a second ``train()``): dynamo's state is the model's, not the switch's."""
+    if not compiles_whole():
+        pytest.skip("this transformers breaks the graph in every checkpointed layer: there is no whole graph")
+    torch_dynamo.reset()
+    net = model().train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(net, backend="aot_eager")
+    controller = OffloadController(Settings(mode="off"), probe=None)
+    assert controller.attach(net, compiled=True)
+    controller.before_forward = lambda *call: 0  # the test installs each plan itself
+
+    def step():
+        compiled(input_ids=_ids(48), labels=_ids(48)).loss.backward()
+
+    controller.switch.apply(1, 0)
+    assert _layer_frames(step) == LAYERS  # dynamo gave up the frame that loops over the layers
+    if again == "rebuilt":
+        controller.switch = controller.switch.rebuilt(list(controller.layout.targets))
+    else:
+        controller.detach()
+        assert controller.attach(net, compiled=True)
+    for _ in range(RESUME_AFTER):
+        controller.switch.apply(0, 0)
+    assert _layer_frames(step) == 0
+    net.zero_grad(set_to_none=True)

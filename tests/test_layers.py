@@ -228,6 +228,38 @@ def test_a_remote_code_model_offloads_its_layer_inputs_not_its_mask(
     assert_same_training(result, remote_plain)
 
 
+class RemoteMoELayer(RemoteLayer):
+    """Another class of layer, with experts of its own (Jamba's MoE layers among its Mamba and attention layers)."""
+
+    def __init__(self, hidden: int, experts: int = 2) -> None:
+        super().__init__(hidden)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, hidden, mask, position_ids):
+        (hidden,) = super().forward(hidden, mask, position_ids)
+        return (hidden + sum(expert(hidden) for expert in self.experts) / len(self.experts),)
+
+
+def test_a_container_of_mixed_layers_plans_its_layers_not_the_experts_inside_one():
+    """A hybrid container on transformers 4.52 (Jamba: attention and Mamba layers, every other one with experts) holds
+    no list of one class but its layers, and a list of one class deeper (a layer's experts): the layers are its
+    calls, all of them offload."""
+    torch.manual_seed(0)
+    net = RemoteModel(RemoteConfig(num_hidden_layers=4))
+    net.layers = torch.nn.ModuleList(
+        (RemoteMoELayer if index % 2 else RemoteLayer)(HIDDEN) for index in range(4)
+    )  # fmt: skip
+    net.gradient_checkpointing_enable()
+    net.train()
+    (target,), _ = find_targets(net)
+    assert (target.kind, target.stack, target.size) == ("container", "layers", 4)
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(net)
+    ids = torch.randint(0, VOCAB, (1, 32))
+    net(input_ids=ids).logits.sum().backward()
+    assert controller.stats.step_bytes == 4 * layer_bytes(32)
+
+
 def test_more_calls_than_layers_run_plain_with_one_warning():
     net = remote_model()
     net.gradient_checkpointing_enable()

@@ -87,7 +87,13 @@ class CompiledFrames:
     graph, compiled once and cached, runs again. The next plan with them makes dynamo trace up to the break and
     give up once more (a trace, not a compilation, but not free). Private dynamo entry points (torch 2.13):
     where they are missing, nothing happens.
+
+    Whether the frames are given up is dynamo's, per code object and for the process: it outlives a switch (a
+    rebuild, a detach and a new attach for a second ``train()``) and is shared by the models of one class, so it
+    is kept here per code (``GIVEN_UP``), not per switch.
     """
+
+    GIVEN_UP: set = set()  # codes an eager-frame plan ran in since they were last given back (ids of live codes)
 
     def __init__(self, model: torch.nn.Module) -> None:
         codes: dict[int, object] = {}
@@ -102,7 +108,18 @@ class CompiledFrames:
         self.codes = list(codes.values())
         self.resumed = 0
 
+    @property
+    def given_up(self) -> bool:
+        """An eager-frame plan ran in some of these frames (this model's or another's of the same class) since they
+        were last given back."""
+        return any(id(code) in self.GIVEN_UP for code in self.codes)
+
+    def give_up(self) -> None:
+        """An eager-frame plan runs: dynamo gives up these frames."""
+        self.GIVEN_UP.update(id(code) for code in self.codes)
+
     def resume(self) -> None:
+        self.GIVEN_UP.difference_update(id(code) for code in self.codes)
         try:
             from torch._C._dynamo.eval_frame import set_code_exec_strategy
             from torch._dynamo.types import FrameAction, FrameExecStrategy

@@ -102,7 +102,6 @@ class CheckpointSwitch:
         self.targets = targets
         self.compiled, self.frames = frames is not None, frames
         compiled = self.compiled
-        self._given_up = False  # an eager-frame plan ran since dynamo last had the frames back
         self._whole = 0  # micro-batches planned in a row without eager-frame functions
         eager = eager_frame if compiled else (lambda function: function)
         self.stats = stats
@@ -217,12 +216,13 @@ class CheckpointSwitch:
         next eager-frame plan after that costs a trace up to its graph break (measured: 0.7-0.9 s on a 2-layer
         Qwen3 on a CPU), which plans that come and go (one long micro-batch in five) would pay every time."""
         if eager:
-            self._given_up, self._whole = True, 0
+            self._whole = 0
+            if self.frames is not None:
+                self.frames.give_up()
             return
         self._whole += 1
-        if self._given_up and self._whole >= RESUME_AFTER and self.frames is not None:
+        if self._whole >= RESUME_AFTER and self.frames is not None and self.frames.given_up:
             self.frames.resume()
-            self._given_up = False
 
     def _first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no

@@ -224,14 +224,15 @@ def _checkpoints_itself(module: torch.nn.Module) -> bool:
 
 def _repeated_blocks(module: torch.nn.Module) -> tuple[str, int] | None:
     """(name, length) of the ModuleList of blocks a container's checkpoint calls go to: the shallowest
-    ModuleList whose items are all of one class (the decoder layers, not the experts inside one), the longest
-    of those; failing that, the shallowest of any classes (a speech feature encoder's convolutions on
-    transformers 4.52: a group-normed first layer, then plain ones); None when the module holds none."""
-    best: tuple[int, int, int, str] | None = None
+    ModuleList (the decoder layers, not the experts inside one), of those one whose items are all of one class,
+    the longest. Its items may be of several classes: a speech feature encoder's convolutions on transformers
+    4.52 (a group-normed first layer, then plain ones), a hybrid's layers (Jamba's attention and Mamba layers,
+    every other one holding a list of experts of one class, deeper); None when the module holds none."""
+    best: tuple[int, bool, int, str] | None = None
     for name, child in module.named_modules():
         if not isinstance(child, torch.nn.ModuleList) or len(child) == 0:
             continue
-        rank = (len({type(item) for item in child}) == 1, -name.count("."), len(child), name)
+        rank = (-name.count("."), len({type(item) for item in child}) == 1, len(child), name)
         if best is None or rank[:3] > best[:3]:
             best = rank
     return None if best is None else (best[3], best[2])
