@@ -195,10 +195,10 @@ def test_frames_given_up_before_a_rebuild_or_a_new_attach_are_given_back(again):
     controller.before_forward = lambda *call: 0  # the test installs each plan itself
 
     def step():
-        compiled(input_ids=_ids(48), labels=_ids(48)).loss.backward()
+        compiled(input_ids=random_ids(48), labels=random_ids(48)).loss.backward()
 
     controller.switch.apply(1, 0)
-    assert _layer_frames(step) == LAYERS  # dynamo gave up the frame that loops over the layers
+    assert layer_frames(step) == LAYERS  # dynamo gave up the frame that loops over the layers
     if again == "rebuilt":
         controller.switch = controller.switch.rebuilt(list(controller.layout.targets))
     else:
@@ -206,5 +206,5 @@ def test_frames_given_up_before_a_rebuild_or_a_new_attach_are_given_back(again):
         assert controller.attach(net, compiled=True)
     for _ in range(RESUME_AFTER):
         controller.switch.apply(0, 0)
-    assert _layer_frames(step) == 0
+    assert layer_frames(step) == 0
     net.zero_grad(set_to_none=True)
