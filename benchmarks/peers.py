@@ -213,6 +213,7 @@ class Peer(ladder.Mode):
         self.compiled_timed_steps = 0
         self.warmup_wall_s = 0.0
         self._configured = False
+        self._given_up = False  # this mode's eager-frame functions made dynamo give up the model's frames
         if self.compiled:
             # A model of its own, set up once: re-enabling checkpointing every step installs new objects dynamo
             # guards on (a new partial, a new input-grad hook), and every step would compile again. The
@@ -257,10 +258,12 @@ class Peer(ladder.Mode):
     def dynamo_state(self) -> None:
         """Dynamo's frames as they would be in a process of this mode's own: given up on where this mode's
         eager-frame functions made dynamo give up (and autooffload did not give them back yet), else compiled.
-        The modes share one process, and a frame dynamo gives up on is given up for every model of its class."""
-        switch = self.controller.switch if self.controller is not None else None
-        if switch is not None and switch._given_up and not self.name.startswith("layers-"):
+        The modes share one process, and a frame dynamo gives up on is given up for every model of its class
+        (autooffload's record of it too, ``CompiledFrames.GIVEN_UP``): each mode's own is put back before its
+        step and kept after it."""
+        if self._given_up and not self.name.startswith("layers-"):
             give_up(self.frames)
+            self.frames.give_up()
         else:
             self.frames.resume()
 
@@ -271,6 +274,8 @@ class Peer(ladder.Mode):
         offload = transformers_offload_on_this_machine() if self.name == "hf-offload" else contextlib.nullcontext()
         with offload:
             row = super().step(seq, seed, timed=timed, **how)
+        if self.compiled:
+            self._given_up = self.frames.given_up
         compiled = graphs_compiled() - graphs
         self.graphs["timed" if timed else "warm-up"] += compiled
         if not timed:
