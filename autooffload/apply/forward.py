@@ -95,8 +95,8 @@ class ForwardState:
 class LayerCalls:
     """Per-call dispatch for a container target: its i-th call in a forward is layer i of its stack and runs
     ``functions[i]``; a call beyond the stack's size runs ``beyond``. ``apply`` writes the slots, the installed
-    function (:func:`_dispatch_function`) only reads them, so a new kind of call (e.g. one that keeps the
-    layer's activations and calls it directly) is a new function in a slot."""
+    function (:func:`~autooffload.apply.functions.dispatch_function`) only reads them, so a new kind of call (e.g.
+    one that keeps the layer's activations and calls it directly) is a new function in a slot."""
 
     def __init__(self, target: CheckpointTarget, plain: Callable[..., Any]) -> None:
         self.target = target
