@@ -127,3 +127,54 @@ def test_nothing_autooffload_notes_keeps_a_moved_input_alive():
         loss.backward()
         controller.end_step()
     assert controller.last_step_bytes == LAYERS * per_layer()
+
+
+class RereadsOriginal(torch.nn.Module):  # Zamba's layers: the stack's original input, under a name of its own
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden, original_hidden_states):
+        return hidden + self.read(original_hidden_states).tanh()
+
+
+class RereadsBlocks(RereadsOriginal):  # Inkling-2's layers: the block states every layer of a block re-reads
+    def forward(self, hidden, block_states):
+        return hidden + self.read(block_states).tanh()
+
+
+@pytest.mark.parametrize("layer_class", [RereadsOriginal, RereadsBlocks])
+def test_a_tensor_every_layer_rereads_stays_from_the_first_step(layer_class):
+    # Passed positionally to every layer, it reaches the first layer before any forward has shown it shared: that
+    # layer must not move it (the device copy stays for the others; the host copy would be a wasted one).
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+            self.shared = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.layers = torch.nn.ModuleList(
+                checkpoint_wrapper(layer_class(), preserve_rng_state=False) for _ in range(LAYERS)
+            )
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            shared = self.shared(hidden)
+            for layer in self.layers:
+                hidden = layer(hidden, shared)
+            return hidden.pow(2).mean()
+
+    net = Net()
+    net.train()
+    controller = OffloadController(Settings(mode="on"), probe=None)
+    controller.attach(net)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    moved = []
+    for _ in range(2):
+        net(ids).backward()
+        controller.end_step()
+        moved.append(controller.last_step_bytes)
+    assert moved == [LAYERS * BATCH * SEQ * HIDDEN * 4] * 2

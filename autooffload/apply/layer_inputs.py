@@ -11,8 +11,11 @@ not a view into a larger one), and no other layer call of the forward receives i
 forward has run, so it is learned, per layer and argument position, from each forward (every call's tensors are
 noted); within a forward, a tensor an earlier call received is shared at once. Before a forward has shown it, the
 layer's ``forward`` names it: an argument named for what layers share (``encoder_hidden_states``, a mask, a
-position bias or embedding, rotary tables) is shared, any other named argument the layer's own (ZAYA's
+position bias or embedding, rotary tables, the stack's original input as Zamba passes it, the block states
+Inkling-2's layers re-read) is shared, any other named argument the layer's own (ZAYA's
 ``prev_router_hidden_states``, Pegasus-X's ``global_hidden_states``), and one without a name (``*args``) shared.
+A shared tensor under a name not on that list moves once, at the first forward, and is then known: one copy wasted,
+nothing kept on the device that should have moved.
 A container's calls (a model that runs the checkpoint for each of its layers, as many did on transformers 4.52) need
 both: a tensor some calls make and pass to the next alone (4.52's T5 position bias) is no layer's own.
 """
@@ -73,7 +76,20 @@ class LayerInputs:
         return tuple(moving)
 
 
-SHARED_NAMES = ("encoder", "mask", "position", "bias", "rotary", "cos", "sin", "cache", "past", "memory")
+SHARED_NAMES = (
+    "encoder",
+    "mask",
+    "position",
+    "bias",
+    "rotary",
+    "cos",
+    "sin",
+    "cache",
+    "past",
+    "memory",
+    "original",
+    "block_states",
+)
 
 
 def argument_names(module: torch.nn.Module) -> tuple[str, ...]:
