@@ -7,7 +7,8 @@ residual streams of a hyper-connection model). The config gives first guesses; t
 
 - each planned layer's first call in a micro-batch reports its input's real bytes (a source padded to a block
   size, ProphetNet's n-gram streams, a speech pre-net's frames): before anything moved, the first stack's report
-  sets ``token_bytes``; after, a report sets its stack's width;
+  sets ``token_bytes`` (without a guess from the config, the first report of any stack: BLT's patcher runs
+  before its first stack); after, a report sets its stack's width;
 - at a step's end, where no layer call reported, ``token_bytes`` is measured from the bytes the engine moved;
 - a layer whose call passes no tensor positionally (its hidden states go as a keyword) frees nothing;
 - a stack sized from a raw input (:mod:`.sources`: a speech encoder on audio samples, a vision tower on pixels) has
@@ -163,9 +164,10 @@ class LayerSizes:
             tokens = self.batch.lengths.get(stack, (0, 0))[1] if self.batch is not None else 0
             if tokens > 0 and nbytes > 0:
                 first = next((s for s in self.layer_stacks if s not in self.measured), None)
-                if not moved_any and stack == first and position == self.first_layer.get(stack):
+                first_report = not moved_any and stack == first and position == self.first_layer.get(stack)
+                if first_report or not self.token_bytes:  # without a guess, the first report of any stack
                     self.token_bytes = nbytes / (tokens * self.widths.get(stack, 1.0))
-                elif self.token_bytes:
+                else:
                     self.widths[stack] = nbytes / (tokens * self.token_bytes)
                 if self.token_bytes:  # a layer may hold more than its stack's width (a second activation)
                     self.layer_widths[position] = nbytes / (tokens * self.token_bytes)

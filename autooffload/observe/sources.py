@@ -23,6 +23,7 @@ RAW_PARAMETERS = (
     "input_values",
     "inputs",
     "pixel_values",
+    "flattened_patches",  # Kosmos-2.5's and Pix2Struct's image patches
     "pixel_values_videos",
     "input_features",
     "input_audio_embeds",

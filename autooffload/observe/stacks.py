@@ -5,8 +5,11 @@ model (``config.is_encoder_decoder``: T5, BART, Whisper) plans two, the encoder'
 its own length (source and target) and its own bytes per token. A model whose language layers come in several
 stacks under the module that embeds the tokens (HRM's ``L_module`` and ``H_module``, run in cycles) plans all of
 them. A stack that runs on what the model computes from a raw input (a VLM's vision tower on ``pixel_values``, a
-speech encoder on audio samples: :mod:`.sources`) is planned too, sized from that input; a stack with neither keeps
-plain checkpointing.
+speech encoder on audio samples: :mod:`.sources`) is planned too, sized from that input. In a decoder-only model, a
+stack beside the text stack that runs on what the model computes from its tokens (BLT's global transformer on
+patches, its byte decoder and its entropy patcher) is planned too, read from the deciding call's tokens: what its
+layers hold per token (their length relative to the tokens, their width) is learned from their first call
+(:mod:`.sizes`). A stack whose length none of these gives keeps plain checkpointing, with a warning.
 
 Each planned stack has an *entry*: the nearest module at or above the stack's owner whose ``forward`` takes the
 tokens (``input_ids``, ``inputs_embeds`` or ``input_features``). The controller decides at the first entry a
@@ -62,7 +65,8 @@ def stack_sizes(targets: list[Any]) -> dict[str, int]:
 def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack], tuple[str, str] | None]:
     """The stacks to plan, in module order, and a warning (its key and text) where an encoder-decoder's stacks
     cannot be told apart (then the text rule alone picks, and the other stack keeps plain checkpointing) or a
-    stack's length cannot be read (SpeechT5's speech encoder takes ``input_values``: nothing is planned)."""
+    stack's length cannot be read (SpeechT5's speech encoder takes ``input_values``: nothing is planned; a stack
+    under no module that takes the tokens or a raw input: that stack alone keeps plain checkpointing)."""
     sizes = stack_sizes(targets)
     if not sizes:
         return [], None
@@ -80,7 +84,9 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
             half = _half(model, modules, role, found, sizes, names, owners) if planned is not None else None
             planned = None if half is None else [*planned, *half]  # type: ignore[misc]
         if planned is not None:
-            return planned + _towers(modules, sizes, owners, planned), None
+            planned += _towers(modules, sizes, owners, planned)
+            taken = {stack.name for stack in planned}
+            return planned, _unplanned(model, [name for name in sizes if name not in taken])
         if all(half is not None for half in halves) and encoder_stacks and decoder_stacks:
             return [], (
                 "stack-length",
@@ -98,7 +104,23 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
         return [_stack(model, modules, name, "text", owners[name]) for name in found], ("stacks-apart", warning)
     found = _text_stacks(model, list(sizes), sizes, names) or []
     text = [_stack(model, modules, name, "text", owners[name]) for name in found]
-    return text + _towers(modules, sizes, owners, text), None
+    planned = text + _towers(modules, sizes, owners, text)
+    taken = {stack.name for stack in planned}
+    beside = [_stack(model, modules, name, "text", owners[name]) for name in sizes if name not in taken]
+    read = [stack for stack in beside if takes_tokens(stack.entry)]
+    return planned + read, _unplanned(model, [stack.name for stack in beside if not takes_tokens(stack.entry)])
+
+
+def _unplanned(model: torch.nn.Module, names: list[str]) -> tuple[str, str] | None:
+    """The warning for checkpointed stacks left unplanned, which keep plain checkpointing (None if none is)."""
+    if not names:
+        return None
+    return (
+        "stack-length",
+        f"autooffload cannot read the length of the input {type(model).__name__}'s checkpointed stack(s) "
+        f"{', '.join(names)} run on (from {', '.join(TOKEN_PARAMETERS)} or a raw input it knows), so they keep plain "
+        "checkpointing: what they save stays on the device",
+    )
 
 
 def _half(
