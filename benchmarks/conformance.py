@@ -357,10 +357,13 @@ def _fit_image_tokens(config: Any) -> None:
                 config.mm_tokens_per_image = (side // 2) ** 2
 
 
-def tiny_config(model_type: str, sizes: bool = True) -> Any:
+def tiny_config(model_type: str, sizes: bool = True, mapping: str = "causal") -> Any:
+    """``model_type``'s default config shrunk (:func:`shrink`), with the ids a processor would set, and what the type
+    needs besides (:mod:`quirks`)."""
+    import quirks
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type)
+    config = AutoConfig.for_model(model_type, **quirks.base_kwargs(model_type))
     shrink(config, sizes=sizes)
     for key in ("use_cache",):
         with contextlib.suppress(Exception):
@@ -382,6 +385,7 @@ def tiny_config(model_type: str, sizes: bool = True) -> Any:
         if getattr(config, "decoder_start_token_id", None) is None:
             with contextlib.suppress(Exception):
                 config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    quirks.fix_config(model_type, mapping, config)
     return config
 
 
@@ -570,6 +574,9 @@ class CheckpointCalls:
         self._seen: list[weakref.ref] = []
         self._recorded: list[tuple[str, int, int, list[Any]]] = []  # owner, key, input bytes, other tensors
         self._storages: dict[int, int] = {}  # storage -> calls that receive it
+        # Every tensor recorded, held until :meth:`finish`: a storage freed within the step (an input offloaded to
+        # the host) may have its address taken by a later tensor, which would then count as the same storage.
+        self._held: list[Any] = []
 
     def record(self, function: Any, args: tuple) -> None:
         import torch
@@ -577,6 +584,7 @@ class CheckpointCalls:
         if not torch.is_grad_enabled():
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self._held.extend(tensors)
         for storage in {_storage(t) for t in tensors}:
             self._storages[storage] = self._storages.get(storage, 0) + 1
         tensor = tensors[0] if tensors else None
@@ -594,7 +602,7 @@ class CheckpointCalls:
             self.extras += own
             self.calls.append((name, nbytes + own))
             self.per_module[key] = self.per_module.get(key, 0) + nbytes + own
-        self._recorded, self._storages = [], {}
+        self._recorded, self._storages, self._held = [], {}, []
 
     @contextlib.contextmanager
     def watching(self):
@@ -681,7 +689,7 @@ def build(model_type: str, mapping: str, sizes: bool) -> tuple[Any, Any]:
     import torch
     import transformers
 
-    config = tiny_config(model_type, sizes)
+    config = tiny_config(model_type, sizes, mapping)
     auto = getattr(transformers, MAPPINGS[mapping][1])
     torch.manual_seed(0)
     model = auto.from_config(config)
@@ -720,10 +728,10 @@ def train_step(model: Any, batch: dict[str, Any], mode: str, level: int | None =
             torch.manual_seed(0)
             random.seed(0)
             numpy.random.seed(0)  # BigBird's random attention blocks draw from numpy
-            with recorder.watching():
-                output = model(**batch)
+            with recorder.watching():  # the forward's calls: a recompute's nested calls in the backward are not
+                output = model(**batch)  # new layers (Zamba's hybrid layers checkpoint their Mamba layer inside)
                 loss = output.loss if getattr(output, "loss", None) is not None else output[0].float().mean()
-                loss.backward()
+            loss.backward()
             result.loss = loss.detach().clone()
             result.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             if controller is not None:
@@ -802,6 +810,7 @@ def _with_media(model: Any, config: Any, batch: dict[str, Any], row: dict[str, A
 
 def check_type(model_type: str, mapping: str) -> dict[str, Any]:
     """Build, run plain/on/partial, and judge one model type. Runs in the child process."""
+    import quirks
 
     row: dict[str, Any] = {"type": model_type, "mapping": mapping}
     start = time.perf_counter()
@@ -810,6 +819,9 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
     for sizes in (True,):  # a full-size fallback builds models of gigabytes: a type that needs it is skipped
         try:
             model, config = build(model_type, mapping, sizes)
+        except ImportError as error:  # a model of a package this environment lacks (timm's vision towers)
+            row.update(verdict="skipped", reason=f"needs a package not installed: {str(error).strip().splitlines()[0]}")
+            return _finish(row, start)
         except Exception as error:
             errors.append(f"tiny config: {type(error).__name__}: {error}")
             continue
@@ -820,7 +832,11 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             model.gradient_checkpointing_enable()
             batch = make_batch(model, config, mapping)
             state = copy.deepcopy(model.state_dict())
-            batch = _with_media(model, config, batch, row)
+            kind, fixed = quirks.fix_batch(model_type, mapping, model, config, batch)
+            if kind is None:
+                batch = _with_media(model, config, batch, row)
+            else:
+                batch, row["batch"] = fixed, kind
             train_step(model, batch, "plain")  # a first forward may change the model (BigBird's attention type)
             model.load_state_dict(state)
             model.zero_grad(set_to_none=True)

@@ -71,6 +71,21 @@ SUBSET = [
 ]
 SECOND_ACTIVATIONS = {"zaya", "pegasus_x"}
 # fine-tuned with images or audio, their vision or audio tower checkpointed (issue 28): swept with such a batch
+# what the sweep's generic tiny config or batch cannot build (issue 28): each runs with what benchmarks/quirks gives
+# it, and covers what running it found: stacks beside the text stack on what the model computes from its tokens
+# (BLT's patches, byte decoder and patcher; Diffusion-Gemma's decoder on its canvas), a layer that checkpoints a
+# layer inside it (Zamba2's hybrid layers), a tensor every layer re-reads passed under a name of its own (Zamba2's
+# original input, Inkling-2's block states), a model that needs its image (BLIP-2), Marian's own decoder vocabulary,
+# Canary's features laid out by its extractor
+QUIRKS_SUBSET = [
+    ("blt", "causal"),
+    ("diffusion_gemma", "image-text"),
+    ("zamba2", "causal"),
+    ("inkling2_text", "causal"),
+    ("blip-2", "image-text"),
+    ("marian", "seq2seq"),
+    ("canary", "speech"),
+]
 MEDIA_SUBSET = [("qwen2_vl", "image-text", "image"), ("gemma3", "image-text", "image"), ("voxtral", "seq2seq", "audio")]
 
 
@@ -98,6 +113,18 @@ def test_a_model_fine_tuned_on_images_or_audio_conforms_with_such_a_batch(model_
     assert row["batch"] == kind
     assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
     assert row["calls"] > row["layers"] / 2  # the tower's layers ran and moved too
+
+
+@pytest.mark.parametrize(("model_type", "mapping"), QUIRKS_SUBSET)
+def test_a_type_the_generic_tiny_model_does_not_suit_conforms_with_its_quirks(model_type, mapping):
+    if (model_type, mapping) not in conformance.model_types([mapping]):
+        pytest.skip(f"{model_type} is not in this transformers' {mapping} mapping")
+    row = conformance.check_type(model_type, mapping)
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if row["verdict"] == "skipped" and release < (5, 25):
+        pytest.skip(f"benchmarks/quirks is written for transformers 5.25: {row['reason']}")
+    assert row["verdict"] == "correct", row
+    assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
 
 
 def judged(model_type: str, mapping: str) -> dict:

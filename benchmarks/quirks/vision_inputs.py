@@ -1,0 +1,291 @@
+"""Fixes for the sweep's image models whose forward needs more than pixels and tokens (see :mod:`quirks`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .registry import batch_fix, config_fix
+
+PATCHES_PER_SIDE = 16  # the largest vision tower the sweep builds: 16 x 16 patches
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------
+
+
+def _free_id(config: Any) -> int:
+    """The highest text id no special token holds: where a processor's added ``<image>`` token lands (the end of
+    the tokenizer's vocabulary)."""
+    import conformance
+
+    vocab, taken = conformance.text_vocab(config), conformance.special_ids(config)
+    return next(i for i in range(vocab - 1, 0, -1) if i not in taken)
+
+
+def small_images(vision: Any) -> None:
+    """A vision config's images cut to at most ``PATCHES_PER_SIDE`` patches a side (its position table follows)."""
+    if vision.image_size > PATCHES_PER_SIDE * vision.patch_size:
+        vision.image_size = PATCHES_PER_SIDE * vision.patch_size
+
+
+def random_pixels(vision: Any, *lead: int) -> Any:
+    """Random ``[*lead, channels, size, size]`` pixels at the vision config's image size."""
+    import torch
+
+    generator = torch.Generator().manual_seed(2)
+    channels = getattr(vision, "num_channels", 3)
+    return torch.randn(*lead, channels, vision.image_size, vision.image_size, generator=generator)
+
+
+def _with_placeholders(text: Any, token: int, count: int) -> tuple[Any, Any]:
+    """``input_ids`` with ``count`` copies of ``token`` before the text, as the BLIP-2 processors expand them, and
+    labels that skip them."""
+    import torch
+
+    input_ids = torch.cat([torch.full((text.shape[0], count), token, dtype=text.dtype), text], dim=1)
+    labels = input_ids.clone()
+    labels[:, :count] = -100
+    return input_ids, labels
+
+
+# ---- the BLIP family -------------------------------------------------------------------------------------
+
+
+@config_fix("blip")
+def _blip_text_attends_to_the_vision_width(config):
+    """The caption decoder cross-attends to the vision tower's states: ``BlipConfig`` sets the text's
+    ``encoder_hidden_size`` to the vision width, which the shrink changed after. 384-pixel images of 16-pixel
+    patches (24 a side) are cut to 16 a side."""
+    config.text_config.encoder_hidden_size = config.vision_config.hidden_size
+    small_images(config.vision_config)
+
+
+@batch_fix("blip", kind="image")
+def _blip_caption_batch(model, config, batch):
+    """``BlipProcessor``'s batch: one image and its caption; the caption is also the labels."""
+    import conformance
+
+    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    return {"pixel_values": pixels, "input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
+
+
+@config_fix("blip-2", "instructblip", "instructblipvideo")
+def _qformer_attends_to_the_vision_width(config):
+    """The Q-Former cross-attends to the vision tower's states (``encoder_hidden_size`` 1408 is the released ViT-g's
+    width, left unshrunk); the queries replace the OPT decoder's embeddings at an ``<image>`` (``<video>``) token the
+    processor adds to the tokenizer, which the default config leaves unset, so those embeddings are the decoder's
+    width (``word_embed_proj_dim`` equals ``hidden_size`` in every released BLIP-2 OPT)."""
+    config.qformer_config.encoder_hidden_size = config.vision_config.hidden_size
+    if getattr(config.text_config, "word_embed_proj_dim", None) is not None:
+        config.text_config.word_embed_proj_dim = config.text_config.hidden_size
+    small_images(config.vision_config)
+    key = "video_token_index" if config.model_type == "instructblipvideo" else "image_token_index"
+    if getattr(config, key) is None:
+        setattr(config, key, _free_id(config))
+
+
+@batch_fix("blip-2", kind="image")
+def _blip2_batch(model, config, batch):
+    """``Blip2Processor``'s batch: one image, ``num_query_tokens`` image tokens before the text."""
+    import conformance
+
+    input_ids, labels = _with_placeholders(batch["input_ids"], config.image_token_index, config.num_query_tokens)
+    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    return {"pixel_values": pixels, "input_ids": input_ids, "labels": labels}
+
+
+def _instructblip_batch(config, token: int, frames: int | None) -> dict:
+    """``InstructBlip(Video)Processor``'s batch: the prompt twice, in the Q-Former's vocabulary and in the
+    language model's after ``num_query_tokens`` placeholders per image (per frame of a video)."""
+    import conformance
+
+    text = conformance.token_sampler(config)(conformance.SEQ)
+    qformer_ids = conformance.token_sampler(config.qformer_config)(conformance.SEQ // 2)
+    count = config.num_query_tokens * (frames or 1)
+    input_ids, labels = _with_placeholders(text, token, count)
+    lead = (conformance.BATCH, frames) if frames else (conformance.BATCH,)
+    return {
+        "pixel_values": random_pixels(config.vision_config, *lead),
+        "qformer_input_ids": qformer_ids,
+        "input_ids": input_ids,
+        "labels": labels,
+    }
+
+
+@batch_fix("instructblip", kind="image")
+def _instructblip_image_batch(model, config, batch):
+    """One image per row; the Q-Former reads the prompt too (``qformer_input_ids``)."""
+    return _instructblip_batch(config, config.image_token_index, None)
+
+
+@batch_fix("instructblipvideo", kind="video")
+def _instructblip_video_batch(model, config, batch):
+    """A video of 4 frames per row, ``[batch, frames, C, H, W]``: the processor's (and the model's) fixed count."""
+    return _instructblip_batch(config, config.video_token_index, 4)
+
+
+# ---- image towers read beside the text -------------------------------------------------------------------
+
+
+@batch_fix("kosmos-2", kind="image")
+def _kosmos2_batch(model, config, batch):
+    """``Kosmos2Processor``'s batch: ``<s> <image> [latent_query_num placeholders] </image>`` before the text,
+    and ``image_embeds_position_mask`` marking the placeholders the image's latent queries replace (the tokenizer's
+    ``<image>``/``</image>`` are added tokens: here two ids no special token holds)."""
+    import conformance
+    import torch
+
+    text, queries = batch["input_ids"], config.latent_query_num
+    boi = _free_id(config)
+    eoi = boi - 1 if boi - 1 not in conformance.special_ids(config) else boi - 2
+
+    def column(token: int, width: int = 1) -> torch.Tensor:
+        return torch.full((text.shape[0], width), token, dtype=text.dtype)
+
+    bos = config.text_config.bos_token_id
+    input_ids = torch.cat([column(bos), column(boi), column(boi, queries), column(eoi), text], dim=1)
+    mask = torch.zeros_like(input_ids)
+    mask[:, 2 : 2 + queries] = 1
+    return {
+        "pixel_values": random_pixels(config.vision_config, conformance.BATCH),
+        "input_ids": input_ids,
+        "image_embeds_position_mask": mask,
+        "labels": input_ids.masked_fill(mask.bool(), -100),
+    }
+
+
+@batch_fix("idefics", kind="image")
+def _idefics_batch(model, config, batch):
+    """``IdeficsProcessor``'s batch: ``<fake_token_around_image> <image> <fake_token_around_image>`` before the text,
+    the images as ``[batch, images, C, H, W]``, and ``image_attention_mask`` ``[batch, seq, images]``: 1 from the
+    ``<image>`` token on (the tokens that cross-attend to it). Both tokens are the tokenizer's added ones: here two
+    ids no special token holds."""
+    import conformance
+    import torch
+
+    text = batch["input_ids"]
+    image = _free_id(config)
+    fake = next(i for i in range(image - 1, 0, -1) if i not in conformance.special_ids(config))
+    around = torch.tensor([fake, image, fake], dtype=text.dtype).expand(text.shape[0], -1)
+    input_ids = torch.cat([around, text], dim=1)
+    attends = torch.ones(*input_ids.shape, 1, dtype=torch.long)
+    attends[:, 0] = 0
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    return {
+        "pixel_values": random_pixels(config.vision_config, conformance.BATCH, 1),
+        "input_ids": input_ids,
+        "image_attention_mask": attends,
+        "labels": labels,
+    }
+
+
+@batch_fix("vision-encoder-decoder", kind="image")
+def _image_to_text_batch(model, config, batch):
+    """An image encoder and a text decoder (TrOCR, Donut, ViT-GPT2 captioners): the image processor's
+    ``pixel_values`` and the caption as labels, which the model shifts into the decoder's inputs."""
+    import conformance
+
+    return {"pixel_values": random_pixels(config.encoder, conformance.BATCH), "labels": batch["labels"]}
+
+
+@config_fix("pp_formulanet")
+def _formulanet_widths_chain(config):
+    """The SAM-style tower's neck (``output_channels``) feeds the projector's convolutions
+    (``post_conv_in_channels``), whose output is the decoder's width (``decoder_hidden_size`` == the text's
+    ``d_model``), as in the released checkpoints; the shrink left these and the MLP width at full size. 512-pixel
+    images of 16-pixel patches (32 a side) are cut to 16 a side."""
+    vision, width = config.vision_config, config.vision_config.hidden_size
+    vision.output_channels = vision.post_conv_in_channels = width
+    vision.post_conv_mid_channels = vision.post_conv_out_channels = width
+    vision.mlp_dim = 2 * width  # the sweep's MLP ratio
+    vision.decoder_hidden_size = config.text_config.d_model
+    small_images(vision)
+
+
+@batch_fix("pp_formulanet", kind="image")
+def _formulanet_batch(model, config, batch):
+    """The image processor's ``pixel_values`` and the formula's tokens: the model shifts ``input_ids`` right into
+    the decoder's inputs and scores ``labels`` position by position."""
+    import conformance
+
+    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    return {"pixel_values": pixels, "input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
+
+
+def _word_boxes(batch: int, seq: int) -> Any:
+    """``[batch, seq, 4]`` word boxes ``(x0, y0, x1, y1)`` in 0..1000, as a layout processor normalizes OCR boxes."""
+    import torch
+
+    generator = torch.Generator().manual_seed(4)
+    corners = torch.randint(0, 900, (batch, seq, 2), generator=generator)
+    sizes = torch.randint(10, 100, (batch, seq, 2), generator=generator)
+    return torch.cat([corners, corners + sizes], dim=-1)
+
+
+@batch_fix("udop", kind="image")
+def _udop_document_batch(model, config, batch):
+    """``UdopProcessor``'s batch: the page image, its OCR words' ids and their ``bbox`` (the encoder's 2-D relative
+    position biases need them), and the target text as labels."""
+    import conformance
+
+    text = batch["input_ids"]
+    return {
+        "pixel_values": random_pixels(config, conformance.BATCH),
+        "input_ids": text,
+        "bbox": _word_boxes(*text.shape),
+        "labels": conformance.token_sampler(config)(conformance.TARGET),
+    }
+
+
+# ---- robot policies ------------------------------------------------------------------------------------
+
+
+def _policy_batch(config, batch: dict) -> dict:
+    """``PI0Processor``'s batch for one camera: its image, one ``<image>`` token per patch then ``<bos>`` and the
+    task text, and the chunk of ``actions`` to learn; the flow-matching ``noise`` and ``timestep`` a training loop
+    draws (given here so that every run sees the same). transformers 5.25 cannot train these checkpointed: the
+    prefix reaches the action expert only as a KV cache, which checkpointing turns off (``use_cache=False``), so
+    the step fails on a None cache; the row stays skipped with that reason."""
+    import conformance
+    import torch
+
+    vlm, vision = config.vlm_config, config.vlm_config.vision_config
+    generator = torch.Generator().manual_seed(5)
+    rows = conformance.BATCH
+    images = torch.full((rows, (vision.image_size // vision.patch_size) ** 2), vlm.image_token_id)
+    bos = torch.full((rows, 1), vlm.text_config.bos_token_id)
+    input_ids = torch.cat([images, bos, batch["input_ids"]], dim=1)
+    chunk = (rows, config.chunk_size, config.max_action_dim)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": random_pixels(vision, rows, 1),
+        "pixel_attention_mask": torch.ones(rows, 1, dtype=torch.bool),
+        "actions": torch.randn(*chunk, generator=generator),
+        "noise": torch.randn(*chunk, generator=generator),
+        "timestep": torch.rand(rows, generator=generator) * config.time_sampling_scale + config.time_sampling_offset,
+    }
+
+
+@config_fix("pi0", "pi05")
+def _paligemma_projects_to_the_text_width(config):
+    """PaliGemma's projector maps image features to the language model's width (``projection_dim`` 2048 is the
+    released Gemma-2B's ``hidden_size``, left unshrunk)."""
+    vlm = config.vlm_config
+    vlm.projection_dim = vlm.vision_config.projection_dim = vlm.text_config.hidden_size
+
+
+@batch_fix("pi0", kind="image+robot")
+def _pi0_batch(model, config, batch):
+    """PI0 also reads the robot's ``state`` (padded to ``max_state_dim``) as the action expert's first token."""
+    import conformance
+    import torch
+
+    state = torch.randn(conformance.BATCH, config.max_state_dim, generator=torch.Generator().manual_seed(6))
+    return {**_policy_batch(config, batch), "state": state}
+
+
+@batch_fix("pi05", kind="image+robot")
+def _pi05_batch(model, config, batch):
+    """PI0.5 reads the state as discretized tokens of the prompt (``state_in_prompt``): text ids here."""
+    return _policy_batch(config, batch)
