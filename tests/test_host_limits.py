@@ -185,7 +185,10 @@ def test_under_a_real_ulimit_v_the_budget_and_every_buffer_stay_within_it(tmp_pa
     script.write_text(CHILD.format(root=str(ROOT)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("AUTOOFFLOAD_")}
-    probe = "import sys, torch, transformers; print(open('/proc/self/status').read().split('VmSize:')[1].split()[0])"
+    probe = (  # what the child maps before it trains: its imports and its model (torchvision, where installed, too)
+        "from autooffload.demo import tiny_qwen3; tiny_qwen3(4, 64, 256, 0); "
+        "print(open('/proc/self/status').read().split('VmSize:')[1].split()[0])"
+    )
     mapped_kib = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env).stdout)
     limit_kib = mapped_kib + 768 * 1024
     command = f"ulimit -v {limit_kib} && exec {sys.executable} {script}"
