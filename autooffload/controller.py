@@ -92,7 +92,7 @@ class OffloadController(Run):
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)
         backwards = self.planner.backward if recompute == "auto" else None
-        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.entered)
+        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.entered, self._leave)
         fixed = self.planner.fixed_level(self.memory.rescuing)
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
@@ -179,6 +179,12 @@ class OffloadController(Run):
         self.before_forward(batch.seq_len, batch.tokens, batch.lengths, batch.sources)
         return True
 
+    @guarded("the post-forward hook")
+    def _leave(self) -> None:
+        """The call ``_enter`` took ended: what its layer calls deferred moves if it was theirs alone."""
+        if self.switch is not None:
+            self.switch.end_forward()
+
     def before_forward(
         self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None, sources: Any = None
     ) -> int:
@@ -235,20 +241,17 @@ class OffloadController(Run):
 
     @guarded("a layer call's report")
     def _on_first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
-        """A planned layer's first call in this micro-batch, with its input's real bytes (:mod:`.observe.sizes`). A
-        function of a switch since rebuilt may still run once, with a position the new layout may not have."""
+        """A planned layer's first call in this micro-batch, with its inputs' bytes (a stale switch's: ignored)."""
         if self.switch is not None and position < len(self.switch.layers):
             self.sizes.first_call(position, nbytes, self.stats.total_bytes > 0, shape)
 
     @guarded("a kept layer's report")
     def _on_measured(self, position: int, nbytes: int, cast_bytes: int, batch: MicroBatch | None = None) -> None:
-        """A layer that does not offload kept (or would keep) ``nbytes`` in ``batch`` (the micro-batch of the call
-        that counted, which a reentrant recompute runs after later forwards): the keep planner's."""
+        """A layer that does not offload kept (or would keep) ``nbytes`` in its call's micro-batch ``batch``."""
         self.planner.measured(position, batch or self.sizes.batch or MicroBatch(0, 0, {}), nbytes, cast_bytes)
 
     def planned_bytes(self) -> float | None:
-        """What the running micro-batch's offloaded layers move by autooffload's arithmetic (calls x tokens x width x
-        bytes per token; None before those are known): after the backward, what the engine must have moved."""
+        """The running micro-batch's offloaded bytes by the arithmetic: after the backward, what the engine moved."""
         return self.sizes.planned_bytes(self.switch.forward.counts) if self.switch is not None else None
 
     def _close_micro_batch(self) -> None:
@@ -258,12 +261,10 @@ class OffloadController(Run):
 
     @guarded("rescue", False)
     def rescue(self, tried_bytes: int | None = None) -> bool:
-        """Offload every layer until this step ends, for a rerun after an out-of-memory error.
-
-        ``tried_bytes``: the allocation that failed ("Tried to allocate X"): the step's reading is raised to at least
-        the reading plus it and the device's size, so the policy plans more offload for that length next time.
-        False when a rerun cannot help: nothing is controlled, or mode ``off`` forbids offload.
-        """
+        """Offload every layer until this step ends, for a rerun after an out-of-memory error. ``tried_bytes``: the
+        allocation that failed ("Tried to allocate X"): the step's reading is raised to at least the reading plus it
+        and the device's size, so the policy plans more offload for that length next time. False when a rerun cannot
+        help: nothing is controlled, or mode ``off`` forbids offload."""
         if self.switch is None or not self.switch.layers or self.settings.mode == "off":
             return False
         self.record.rescue(len(self.switch.layers))
@@ -275,9 +276,8 @@ class OffloadController(Run):
 
     @guarded("begin_step")
     def begin_step(self) -> None:
-        """Start an optimizer step: its peak starts here (the probe's ``reset()``, where it has one), so
-        evaluation and checkpoint saving between two steps stay out of the next reading. Trainer's callback
-        calls it at ``on_step_begin``; otherwise the pre-forward hook does at a step's first micro-batch."""
+        """Start an optimizer step: its peak starts here (the probe's ``reset()``), so evaluation and saving between
+        two steps stay out of the next reading. Called at ``on_step_begin``, else at a step's first micro-batch."""
         self.memory.begin_step()
 
     @guarded("end_step")

@@ -178,3 +178,82 @@ def test_a_tensor_every_layer_rereads_stays_from_the_first_step(layer_class):
         controller.end_step()
         moved.append(controller.last_step_bytes)
     assert moved == [LAYERS * BATCH * SEQ * HIDDEN * 4] * 2
+
+
+class ReadsCrossStates(torch.nn.Module):  # a Q-Former layer: cross-attention states, under a name layers often share
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden, encoder_hidden_states):
+        return hidden + self.read(encoder_hidden_states).tanh()
+
+
+class CrossNet(torch.nn.Module):
+    """Layer i reads ``states[i]``: each layer's own (``own=True``: Granite-4-Vision runs one Q-Former layer per tower
+    feature, each with states of its own), or one tensor that every other layer reads (``own=False``: as Zamba passes
+    its original input to every sixth layer, so the call after a reader does not receive it)."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.own = own
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.states = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(
+            checkpoint_wrapper(ReadsCrossStates(), preserve_rng_state=False) for _ in range(LAYERS)
+        )
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        shared = self.states[0](hidden)
+        for index, layer in enumerate(self.layers):
+            states = self.states[index](hidden.detach() * 2) if self.own else shared
+            hidden = layer(hidden, states) if self.own or index % 2 == 0 else layer(hidden, shared.detach())
+        return hidden.pow(2).mean()
+
+
+@pytest.mark.parametrize("engine", ["sync", "stream"])
+@pytest.mark.parametrize("own", [True, False])
+def test_a_tensor_under_a_shared_name_moves_from_the_first_step_if_it_is_one_layers_own(own, engine):
+    # Before any forward has shown whether another layer receives it, the name says shared: it stays on the device
+    # through the first forward and moves when that forward ends, if no other call received it. Deciding at the
+    # next call would move the every-other-layer tensor (the next layer does not receive it, the one after does).
+    from autooffload.apply.host_memory import HostMemory
+
+    def run(mode):
+        net = CrossNet(own)
+        net.train()
+        controller = predicted = None
+        if mode is not None:
+            host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+            settings = Settings(mode=mode, engine=engine, host_memory="1GiB")
+            controller = OffloadController(settings, probe=None, host=host)
+            controller.attach(net)
+            predicted = []
+            net.register_forward_pre_hook(lambda *_: predicted.append(controller.sizes.planned_layer_bytes))
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        moved, arithmetic, grads = [], [], []
+        for _ in range(2):
+            net.zero_grad()
+            net(ids).backward()
+            grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+            if controller is not None:
+                arithmetic.append(controller.planned_bytes())
+                controller.end_step()
+                moved.append(controller.last_step_bytes)
+        return moved, arithmetic, predicted, grads
+
+    _, _, _, reference = run(None)
+    moved, arithmetic, predicted, grads = run("on")
+    layers = LAYERS - 1 if engine == "stream" else LAYERS  # the stream engine keeps the last layer's inputs
+    hidden = BATCH * SEQ * HIDDEN * 4
+    expected = layers * 2 * hidden if own else layers * hidden
+    assert moved == [expected] * 2
+    assert arithmetic == [LAYERS * 2 * hidden if own else LAYERS * hidden] * 2
+    assert sum(predicted[1]) == arithmetic[0]  # the second decision sizes every layer with what it really held
+    pairs = [pair for step, plain in zip(grads, reference, strict=True) for pair in zip(step, plain, strict=True)]
+    assert all(torch.equal(a, b) for a, b in pairs)

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from autooffload import AutoOffloadWarning, OffloadController, OffloadStats, Settings
 from autooffload.apply.host_memory import HostMemory
-from autooffload.apply.stream_engine import HostPool, StreamEngine
+from autooffload.apply.stream_engine import StreamEngine
+from autooffload.apply.streams import HostPool
 from autooffload.apply.switch import CheckpointSwitch
 from autooffload.observe.targets import find_targets
 

@@ -16,7 +16,7 @@ import torch
 
 from ..observe.sources import input_shape
 from ..observe.targets import CheckpointTarget
-from .layer_inputs import LayerInputs
+from .layer_inputs import LayerCall, LayerInputs
 
 
 class ForwardState:
@@ -30,7 +30,8 @@ class ForwardState:
     engine; 0 when the call has none) and its first tensor's (sequence length, tokens) at its first
     grad-enabled call after a take: the size a layer input really has (a source padded to a block size,
     ProphetNet's n-gram streams, a speech pre-net's frames), which no token count read before the forward
-    says exactly."""
+    says exactly. A first call whose deferred tensors turn out to be its own is reported again, with them, by
+    :meth:`settle` when the forward ends."""
 
     def __init__(self, layers: int = 0) -> None:
         self.moved: list[weakref.ref] = []
@@ -43,9 +44,12 @@ class ForwardState:
         # The running micro-batch, as the controller names it: a count made later (a reentrant recompute, in the
         # backward) is filed under the micro-batch of the call that made it, not the one running then.
         self.batch: Any = None
+        # This forward's first calls that deferred tensors: position -> (its reported bytes, shape, the tensors).
+        self._first_deferred: dict[int, tuple[int, tuple[int, int] | None, list[weakref.ref]]] = {}
 
     def new_forward(self) -> None:
         self.moved.clear()
+        self._first_deferred = {}
         self.inputs.new_forward()
         for calls in self.calls:
             calls.count = 0
@@ -65,23 +69,37 @@ class ForwardState:
         ]
         return counts
 
-    def counter(self, position: int) -> Callable[[tuple], tuple[torch.Tensor, ...]]:
+    def counter(self, position: int) -> Callable[[tuple], LayerCall]:
         """What layer ``position``'s functions call at every call with its arguments: it counts the call when it
         saves inputs, reports the first such call's inputs to ``on_first_call``, and returns the tensors of the call
         that may move (none without grad)."""
 
         @torch.compiler.disable
-        def counted(args: tuple) -> tuple[torch.Tensor, ...]:
+        def counted(args: tuple) -> LayerCall:
             if not torch.is_grad_enabled():
-                return ()
-            inputs = self.inputs.of(position, args)
+                return LayerCall()
+            call = self.inputs.of(position, args)
             if self.counts[position] == 0 and self.on_first_call is not None:
-                nbytes = sum(tensor.numel() * tensor.element_size() for tensor in inputs)
-                self.on_first_call(position, nbytes, input_shape(inputs[0]) if inputs else None)
+                nbytes, shape = _nbytes(call.moving), input_shape(call.moving[0]) if call.moving else None
+                self.on_first_call(position, nbytes, shape)
+                if call.deferred:
+                    self._first_deferred[position] = (nbytes, shape, [weakref.ref(t) for t in call.deferred])
             self.counts[position] += 1
-            return inputs
+            return call
 
         return counted
+
+    @torch.compiler.disable
+    def settle(self) -> list[torch.Tensor]:
+        """The forward ends: the deferred tensors that no other call received, which move now; a first call that
+        deferred some of them is reported again to ``on_first_call`` with their bytes."""
+        own = self.inputs.settle()
+        first, self._first_deferred = self._first_deferred, {}
+        for position, (nbytes, shape, refs) in first.items():
+            extra = [ref() for ref in refs if any(ref() is tensor for tensor in own)]
+            if extra and self.on_first_call is not None:
+                self.on_first_call(position, nbytes + _nbytes(extra), shape)
+        return own
 
     @torch.compiler.disable
     def claim(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -90,6 +108,10 @@ class ForwardState:
         fresh = tuple(tensor for tensor in inputs if not any(ref() is tensor for ref in self.moved))
         self.moved.extend(weakref.ref(tensor) for tensor in fresh)
         return fresh
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class LayerCalls:

@@ -19,7 +19,7 @@ from .forward import ForwardState, LayerCalls
 from .offload import OffloadStats
 
 
-def plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
+def plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], Any] | None = None) -> Callable[..., Any]:
     if counted is None:
 
         def checkpoint_plain(function, *args, **call_kwargs):
@@ -65,11 +65,12 @@ def offload_function(
     counted = forward.counter(position)
 
     def checkpoint_offload(function, *args, **call_kwargs):
-        inputs = forward.claim(counted(args))
-        if not inputs:
+        call = counted(args)
+        inputs = forward.claim(call.moving)
+        if not inputs and not call.deferred:
             return checkpoint(function, *args, **kwargs, **call_kwargs)
         _packing(stats, position)
-        with engine.hooks(last, inputs):
+        with engine.hooks(last, inputs, call.deferred):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload

@@ -32,7 +32,8 @@ class ForwardHooks:
     ``deferrable``: a watched entry lies inside ``module``, so a call without tokens may leave the decision to it
     (``enter`` returns False). ``on_backward``: called once per backward that reaches the model's last trainable
     parameter; ``entered``: called before ``enter`` for a call in train mode under grad (a training micro-batch),
-    and must not raise (a call passed by and the entry inside it both call it: it marks the agreement due).
+    and must not raise (a call passed by and the entry inside it both call it: it marks the agreement due);
+    ``leave``: called when the call that ``enter`` took ends (its forward ran, or raised).
     :meth:`follow` watches the entries of a layout read again (a trainer that reinstalled checkpointing may plan
     other stacks)."""
 
@@ -43,11 +44,13 @@ class ForwardHooks:
         enter: Enter,
         on_backward: Callable[[], None] | None = None,
         entered: Callable[[], None] | None = None,
+        leave: Callable[[], None] | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
         self.model = model
         self._enter = enter
         self._entered = entered
+        self._leave = leave
         self.stacks: dict[torch.nn.Module, Sequence[Stack]] = {}  # each entry's stacks (the model: None)
         self.deferrable: dict[torch.nn.Module, bool] = {}  # whether a watched entry lies inside (the model too)
         self._handles = self._watch(model)
@@ -84,6 +87,8 @@ class ForwardHooks:
         def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self.active is entered:
                 self.active = None
+                if self._leave is not None:
+                    self._leave()
 
         return [
             module.register_forward_pre_hook(before, with_kwargs=True),

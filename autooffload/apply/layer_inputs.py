@@ -10,12 +10,15 @@ A second tensor is a layer's own when it is a floating-point activation (it requ
 not a view into a larger one), and no other layer call of the forward receives it. The last is known only once a
 forward has run, so it is learned, per layer and argument position, from each forward (every call's tensors are
 noted); within a forward, a tensor an earlier call received is shared at once. Before a forward has shown it, the
-layer's ``forward`` names it: an argument named for what layers share (``encoder_hidden_states``, a mask, a
-position bias or embedding, rotary tables, the stack's original input as Zamba passes it, the block states
-Inkling-2's layers re-read) is shared, any other named argument the layer's own (ZAYA's
-``prev_router_hidden_states``, Pegasus-X's ``global_hidden_states``), and one without a name (``*args``) shared.
-A shared tensor under a name not on that list moves once, at the first forward, and is then known: one copy wasted,
-nothing kept on the device that should have moved.
+layer's ``forward`` names it. An argument named for what layers share (``encoder_hidden_states``, a mask, a position
+bias or embedding, rotary tables, the stack's original input as Zamba passes it, the block states Inkling-2's layers
+re-read), or one without a name (``*args``), is *deferred*: it stays on the device through that first forward, and
+when the forward ends it moves if no other call received it (Granite-4-Vision runs one Q-Former layer per tower
+feature, each with cross-attention states of its own). Deciding at the next call instead would be wrong: Zamba
+passes its original input to every sixth layer only. Any other named argument moves at once (ZAYA's
+``prev_router_hidden_states``, Pegasus-X's ``global_hidden_states``): deferring those would keep every layer's on the
+device until the first forward ends, the peak offloading exists to lower. A shared tensor under such a name moves
+once, at the first forward, and is then known: one copy wasted, nothing kept on the device that should have moved.
 A container's calls (a model that runs the checkpoint for each of its layers, as many did on transformers 4.52) need
 both: a tensor some calls make and pass to the next alone (4.52's T5 position bias) is no layer's own.
 """
@@ -24,8 +27,17 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import NamedTuple
 
 import torch
+
+
+class LayerCall(NamedTuple):
+    """A layer call's tensors that may move: ``moving`` now (its input first), ``deferred`` once the forward ends
+    if no other call received them (:meth:`LayerInputs.settle`)."""
+
+    moving: tuple[torch.Tensor, ...] = ()
+    deferred: tuple[torch.Tensor, ...] = ()
 
 
 class LayerInputs:
@@ -42,6 +54,7 @@ class LayerInputs:
         # This forward: tensor id -> (a weak reference to the tensor, its (layer, argument position) places). Weak:
         # a strong one would keep an offloaded input on the device; a dead one means the id was reused.
         self._seen: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
+        self._deferred: list[weakref.ref] = []  # this forward's deferred tensors
 
     def new_forward(self) -> None:
         """A forward begins: what the last one showed is learned (a tensor received by one call only is that
@@ -50,15 +63,26 @@ class LayerInputs:
             for position, place in places:
                 if place >= 0 and position < len(self.own):
                     self.own[position][place] = len(places) == 1
-        self._seen = {}
+        self._seen, self._deferred = {}, []
 
-    def of(self, position: int, args: tuple) -> tuple[torch.Tensor, ...]:
+    def settle(self) -> list[torch.Tensor]:
+        """The forward ends: of its deferred tensors, those no other call received (they move now)."""
+        deferred, self._deferred = self._deferred, []
+        own = []
+        for ref in deferred:
+            tensor = ref()
+            noted = self._seen.get(id(tensor)) if tensor is not None else None
+            if noted is not None and noted[0]() is tensor and len(noted[1]) == 1:
+                own.append(tensor)
+        return own
+
+    def of(self, position: int, args: tuple) -> LayerCall:
         """The tensors of layer ``position``'s call with ``args`` that move: its first positional tensor, then its
-        own second activations (none: no positional tensor)."""
+        own second activations, and those deferred to the forward's end (none: no positional tensor)."""
         places = [(place, arg) for place, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
         if not places:
-            return ()
-        moving = [places[0][1]]
+            return LayerCall()
+        moving, deferred = [places[0][1]], []
         named_only = position < len(self.named_only) and self.named_only[position]
         names = self.names[position] if position < len(self.names) else ()
         for index, (place, tensor) in enumerate(places):
@@ -71,9 +95,18 @@ class LayerInputs:
                 continue
             learned = self.own[position].get(place) if position < len(self.own) else None
             guess = place < len(names) and not any(word in names[place] for word in SHARED_NAMES)
-            if (guess and learned is not False) if named_only else (learned if learned is not None else guess):
+            if named_only:
+                if guess and learned is not False:
+                    moving.append(tensor)
+            elif learned is not None:
+                if learned:
+                    moving.append(tensor)
+            elif guess:
                 moving.append(tensor)
-        return tuple(moving)
+            else:
+                deferred.append(tensor)
+                self._deferred.append(weakref.ref(tensor))
+        return LayerCall(tuple(moving), tuple(deferred))
 
 
 SHARED_NAMES = (

@@ -85,48 +85,76 @@ class _Loan:
         self.host.give(self.buffer)
 
 
+class _Saved:
+    """A packed tensor: on the device (``loan`` None) or in a host buffer. A deferred one may move later, when the
+    forward ends (:meth:`SyncEngine.settle`), so it is mutable."""
+
+    __slots__ = ("device", "loan", "tensor")
+
+    def __init__(self, device: torch.device, tensor: torch.Tensor, loan: _Loan | None = None) -> None:
+        self.device, self.tensor, self.loan = device, tensor, loan
+
+
+def _to_host(tensor: torch.Tensor, stats: OffloadStats, host: HostMemory) -> _Saved:
+    """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
+        stats.add(nbytes)
+        return _Saved(tensor.device, tensor)
+    if tensor.is_sparse or not tensor.is_contiguous():
+        stats.add(nbytes)
+        return _Saved(tensor.device, tensor.to("cpu", copy=True))
+    buffer = host.take(nbytes, tensor.device)
+    if buffer is None:
+        stats.short(nbytes)
+        return _Saved(tensor.device, tensor)
+    stats.add(nbytes)
+    view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
+    # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the source's
+    # block only for work queued after it on that same stream, so freeing it is safe. The buffer is written
+    # again only by a later pack, queued on that stream after this unpack's copy.
+    view.copy_(tensor, non_blocking=buffer.pinned)
+    return _Saved(tensor.device, view, _Loan(host, buffer))
+
+
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks: pack copies a tensor to host memory from ``host``, unpack copies it back.
 
     A tensor the budget or the host cannot take stays on the device. A non-contiguous one (rare in a
     decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
     it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning) or stands for the
-    host of a simulated device (``host.copy_cpu``).
+    host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device and is added to
+    ``pending``, for :meth:`SyncEngine.settle` to move when the forward ends.
     """
 
-    def __init__(self, stats: OffloadStats, host: HostMemory, layer_input: LayerInput = None) -> None:
+    def __init__(
+        self,
+        stats: OffloadStats,
+        host: HostMemory,
+        layer_input: LayerInput = None,
+        deferred: Sequence[torch.Tensor] = (),
+        pending: list[tuple[tuple, _Saved]] | None = None,
+    ) -> None:
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
-        filtered, only = layer_input is not None, storage_keys(layer_input)
+        filtered, only, later = layer_input is not None, storage_keys(layer_input), storage_keys(deferred)
 
-        def pack(tensor: torch.Tensor) -> tuple:
-            if filtered and storage_key(tensor) not in only:
-                return tensor.device, tensor, None
-            nbytes = tensor.numel() * tensor.element_size()
-            if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
-                stats.add(nbytes)
-                return tensor.device, tensor, None
-            if tensor.is_sparse or not tensor.is_contiguous():
-                stats.add(nbytes)
-                return tensor.device, tensor.to("cpu", copy=True), None
-            buffer = host.take(nbytes, tensor.device)
-            if buffer is None:
-                stats.short(nbytes)
-                return tensor.device, tensor, None
-            stats.add(nbytes)
-            view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
-            # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the
-            # source's block only for work queued after it on that same stream, so freeing it is safe. The
-            # buffer is written again only by a later pack, queued on that stream after this unpack's copy.
-            view.copy_(tensor, non_blocking=buffer.pinned)
-            return tensor.device, view, _Loan(host, buffer)
+        def pack(tensor: torch.Tensor) -> _Saved:
+            key = storage_key(tensor)
+            if key in later and pending is not None:
+                saved = _Saved(tensor.device, tensor)
+                pending.append((key, saved))
+                return saved
+            if filtered and key not in only:
+                return _Saved(tensor.device, tensor)
+            return _to_host(tensor, stats, host)
 
-        def unpack(packed: tuple) -> torch.Tensor:
-            device, saved, loan = packed
-            if loan is None:
-                return saved if saved.device == device else saved.to(device)
-            restored = torch.empty(saved.shape, dtype=saved.dtype, device=device)
-            restored.copy_(saved, non_blocking=loan.buffer.pinned)
+        def unpack(saved: _Saved) -> torch.Tensor:
+            if saved.loan is None:
+                tensor = saved.tensor
+                return tensor if tensor.device == saved.device else tensor.to(saved.device)
+            restored = torch.empty(saved.tensor.shape, dtype=saved.tensor.dtype, device=saved.device)
+            restored.copy_(saved.tensor, non_blocking=saved.loan.buffer.pinned)
             return restored
 
         super().__init__(pack, unpack)
@@ -134,14 +162,28 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
 class SyncEngine:
     """``engine="sync"``: every offloading layer call runs under :class:`HostOffloadHooks`, the last one too;
-    of the tensors it saves, only the storages of the layer's inputs move (all of them when none is named)."""
+    of the tensors it saves, only the storages of the layer's inputs move (all of them when none is named), and
+    those of its deferred tensors when the forward ends, if they are its own (:meth:`settle`)."""
 
     def __init__(self, stats: OffloadStats, host: HostMemory | None = None) -> None:
         self.stats = stats
         self.host = host if host is not None else HostMemory()
+        self.pending: list[tuple[tuple, _Saved]] = []
 
-    def hooks(self, last: bool, layer_input: LayerInput = None) -> HostOffloadHooks:
-        return HostOffloadHooks(self.stats, self.host, layer_input)
+    def hooks(
+        self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
+    ) -> HostOffloadHooks:
+        return HostOffloadHooks(self.stats, self.host, layer_input, deferred, self.pending)
 
     def begin_forward(self) -> None:
-        """Nothing links one layer call to another here."""
+        """Nothing links one layer call to another here; what an earlier forward deferred stays where it is."""
+        self.pending = []
+
+    def settle(self, own: Sequence[torch.Tensor]) -> None:
+        """The forward ended: the deferred tensors of ``own``'s storages move to host memory, the others stay."""
+        keys, pending, self.pending = storage_keys(own), self.pending, []
+        self.stats.layer = None
+        for key, saved in pending:
+            if key in keys and saved.loan is None:
+                moved = _to_host(saved.tensor, self.stats, self.host)
+                saved.tensor, saved.loan = moved.tensor, moved.loan

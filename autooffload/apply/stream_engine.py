@@ -55,96 +55,18 @@ the device, each with one warning.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..observe.saved import storage_key
-from .host_memory import HostBuffer, HostMemory
 from .offload import LayerInput, OffloadStats, storage_keys
+from .streams import HostPool, Streams
 
 MIN_BYTES = 1024
-
-
-class Streams:
-    """Streams, events and copies for the engine; every other module reaches the device through this.
-
-    Devices without streams (CPU) get ``None`` for streams and events, and plain copies. Tests replace the
-    whole object with a recording stand-in.
-    """
-
-    def __init__(self) -> None:
-        self._copy_streams: dict[torch.device, Any] = {}
-
-    def current(self, device: torch.device) -> Any:
-        module = _stream_module(device)
-        return None if module is None else module.current_stream(device)
-
-    def copy_stream(self, device: torch.device) -> Any:
-        module = _stream_module(device)
-        if module is None:
-            return None
-        if device not in self._copy_streams:
-            self._copy_streams[device] = module.Stream(device)
-        return self._copy_streams[device]
-
-    def record(self, stream: Any) -> Any:
-        return None if stream is None else stream.record_event()
-
-    def wait(self, stream: Any, event: Any) -> None:
-        if stream is not None and event is not None:
-            stream.wait_event(event)
-
-    def using(self, stream: Any) -> contextlib.AbstractContextManager:
-        if stream is None:
-            return contextlib.nullcontext()
-        return _stream_module(stream.device).stream(stream)
-
-    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
-        destination.copy_(source, non_blocking=destination.is_pinned() or source.is_pinned())
-
-    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _stream_module(device: torch.device) -> Any:
-    if device.type == "cpu":
-        return None
-    module = getattr(torch, device.type, None)
-    needed = ("Stream", "current_stream", "stream")
-    return module if all(hasattr(module, name) for name in needed) else None
-
-
-class HostPool:
-    """The engine's host side: buffers from a :class:`~autooffload.apply.host_memory.HostMemory` (shared with
-    the controller, which plans under its budget and ticks its releases), keyed per device for the copies.
-
-    ``take`` returns None when the budget or the host is short, and the caller keeps the tensor on the device.
-    """
-
-    def __init__(self, host: HostMemory | None = None) -> None:
-        self.host = host if host is not None else HostMemory()
-
-    @property
-    def allocations(self) -> int:
-        return self.host.allocations
-
-    @property
-    def held_bytes(self) -> int:
-        return self.host.held_bytes
-
-    def take(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, HostBuffer] | None:
-        """A host buffer of at least ``nbytes`` for a tensor on ``device`` and its key for :meth:`give`."""
-        buffer = self.host.take(nbytes, device)
-        return None if buffer is None else (buffer.tensor, buffer)
-
-    def give(self, tensor: torch.Tensor, key: HostBuffer) -> None:
-        """Return a buffer. Only copies on its device's copy stream touch it again, so they are ordered."""
-        self.host.give(key)
 
 
 class _Region:
@@ -222,16 +144,24 @@ class _Packed:
 
 
 class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, engine: StreamEngine, keep: bool, layer_input: LayerInput) -> None:
+    def __init__(
+        self, engine: StreamEngine, keep: bool, layer_input: LayerInput, deferred: Sequence[torch.Tensor]
+    ) -> None:
         self.engine = engine
         self.region = engine._open_region()
         region = self.region
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
         filtered, only = layer_input is not None, storage_keys(layer_input)
+        later = storage_keys(deferred) if not keep else set()
 
         def pack(tensor: torch.Tensor) -> _Packed:
-            if filtered and storage_key(tensor) not in only:
+            key = storage_key(tensor)
+            if key in later:
+                packed = _Packed(region, tensor=tensor)
+                engine.pending.append((key, packed))
+                return packed
+            if filtered and key not in only:
                 return _Packed(region, tensor=tensor)
             return engine._pack(tensor, region, keep)
 
@@ -269,19 +199,38 @@ class StreamEngine:
         self._unpacking: weakref.ref | None = None
         self._serial = 0
         self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
+        self.pending: list[tuple[tuple, _Packed]] = []  # this forward's deferred saves (:meth:`settle`)
 
-    def hooks(self, last: bool, layer_input: LayerInput = None) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(
+        self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
+    ) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks for one call of a checkpointed layer; ``last``: the layer whose inputs stay on the device;
-        ``layer_input``: the only tensors whose storages may move (any offloadable one when None)."""
-        return _RegionHooks(self, last, layer_input)
+        ``layer_input``: the only tensors whose storages may move (any offloadable one when None); ``deferred``:
+        tensors that stay on the device until the forward ends, and then move if :meth:`settle` names them."""
+        return _RegionHooks(self, last, layer_input, deferred)
 
     def begin_forward(self) -> None:
         """A top-level forward begins: its first layer call starts a new chain, so that the backward of this
         forward never prefetches an input of an earlier one (two forwards before one backward), and the
-        input the previous forward still held is let go of once its copy is done."""
+        input the previous forward still held is let go of once its copy is done. What the previous forward
+        deferred and did not settle stays on the device."""
         self._retire(before=self._serial + 1)
         self._last = None
+        self.pending = []
         self._find_held()
+
+    def settle(self, own: Sequence[torch.Tensor]) -> None:
+        """The forward ended: the deferred tensors of ``own``'s storages start their copies to the host (each
+        joins its layer's region, so the backward prefetches it with the rest), the others stay. The device
+        tensors are let go of once the compute stream waits on their copies, as at a region's close."""
+        keys, pending, self.pending = storage_keys(own), self.pending, []
+        self.stats.layer = None
+        for key, packed in pending:
+            tensor, region = packed.tensor, packed.region
+            moved = self._move(tensor, region) if key in keys and tensor is not None and not region.unpacked else None
+            if moved is not None:
+                (packed.copy, packed.layout), packed.tensor = moved, None
+        self._retire(before=self._serial + 1)
 
     def _find_held(self) -> None:
         """Where the parameters and buffers live now (a cast or move after attach puts them elsewhere)."""
@@ -339,17 +288,24 @@ class StreamEngine:
         return False
 
     def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:
-        if keep or not self.offloadable(tensor):
+        moved = None if keep else self._move(tensor, region)
+        if moved is None:
             return _Packed(region, tensor=tensor)
+        return _Packed(region, copy=moved[0], layout=moved[1])
+
+    def _move(self, tensor: torch.Tensor, region: _Region) -> tuple[_HostCopy, tuple] | None:
+        """``tensor``'s host copy in ``region`` (started now unless a save of its storage started it) and its layout
+        there; None: it stays on the device (not worth moving, or no host buffer)."""
+        if not self.offloadable(tensor):
+            return None
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor._version)
         copy = region.copies.get(key)
         if copy is None:
             copy = self._offload(tensor, region)
             if copy is None:
-                return _Packed(region, tensor=tensor)
+                return None
             region.copies[key] = copy
-        layout = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
-        return _Packed(region, copy=copy, layout=layout)
+        return copy, (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
     def _offload(self, tensor: torch.Tensor, region: _Region) -> _HostCopy | None:
         device, storage = tensor.device, tensor.untyped_storage()

@@ -272,6 +272,11 @@ class CheckpointSwitch:
             self._restart(calls)
         self.forward.new_forward()
 
+    def end_forward(self) -> None:
+        """A forward of the attached model ended: what its layer calls deferred moves if it was theirs alone."""
+        own = self.forward.settle()
+        self.engine.settle(own)
+
     def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
         """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
         also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
