@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -89,7 +90,7 @@ class _Saved:
     """A packed tensor: on the device (``loan`` None) or in a host buffer. A deferred one may move later, when the
     forward ends (:meth:`SyncEngine.settle`), so it is mutable."""
 
-    __slots__ = ("device", "loan", "tensor")
+    __slots__ = ("__weakref__", "device", "loan", "tensor")
 
     def __init__(self, device: torch.device, tensor: torch.Tensor, loan: _Loan | None = None) -> None:
         self.device, self.tensor, self.loan = device, tensor, loan
@@ -124,7 +125,8 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
     it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning) or stands for the
     host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device and is added to
-    ``pending``, for :meth:`SyncEngine.settle` to move when the forward ends.
+    ``pending`` (weakly: what autograd let go of, a recompute's save in the backward, has nothing left to move),
+    for :meth:`SyncEngine.settle` to move when the forward ends.
     """
 
     def __init__(
@@ -133,7 +135,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         host: HostMemory,
         layer_input: LayerInput = None,
         deferred: Sequence[torch.Tensor] = (),
-        pending: list[tuple[tuple, _Saved]] | None = None,
+        pending: list[tuple[tuple, weakref.ref]] | None = None,
     ) -> None:
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
@@ -143,7 +145,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             key = storage_key(tensor)
             if key in later and pending is not None:
                 saved = _Saved(tensor.device, tensor)
-                pending.append((key, saved))
+                pending.append((key, weakref.ref(saved)))
                 return saved
             if filtered and key not in only:
                 return _Saved(tensor.device, tensor)
@@ -168,7 +170,7 @@ class SyncEngine:
     def __init__(self, stats: OffloadStats, host: HostMemory | None = None) -> None:
         self.stats = stats
         self.host = host if host is not None else HostMemory()
-        self.pending: list[tuple[tuple, _Saved]] = []
+        self.pending: list[tuple[tuple, weakref.ref]] = []
 
     def hooks(
         self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
@@ -183,7 +185,8 @@ class SyncEngine:
         """The forward ended: the deferred tensors of ``own``'s storages move to host memory, the others stay."""
         keys, pending, self.pending = storage_keys(own), self.pending, []
         self.stats.layer = None
-        for key, saved in pending:
-            if key in keys and saved.loan is None:
+        for key, ref in pending:
+            saved = ref() if key in keys else None
+            if saved is not None and saved.loan is None:
                 moved = _to_host(saved.tensor, self.stats, self.host)
                 saved.tensor, saved.loan = moved.tensor, moved.loan

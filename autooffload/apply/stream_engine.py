@@ -131,7 +131,7 @@ class _HostCopy:
 
 
 class _Packed:
-    __slots__ = ("copy", "layout", "region", "tensor")
+    __slots__ = ("__weakref__", "copy", "layout", "region", "tensor")
 
     def __init__(
         self,
@@ -159,7 +159,7 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
             key = storage_key(tensor)
             if key in later:
                 packed = _Packed(region, tensor=tensor)
-                engine.pending.append((key, packed))
+                engine.pending.append((key, weakref.ref(packed)))
                 return packed
             if filtered and key not in only:
                 return _Packed(region, tensor=tensor)
@@ -199,7 +199,8 @@ class StreamEngine:
         self._unpacking: weakref.ref | None = None
         self._serial = 0
         self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
-        self.pending: list[tuple[tuple, _Packed]] = []  # this forward's deferred saves (:meth:`settle`)
+        # This forward's deferred saves (:meth:`settle`), weakly: one autograd let go of has nothing left to move.
+        self.pending: list[tuple[tuple, weakref.ref]] = []
 
     def hooks(
         self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
@@ -225,9 +226,11 @@ class StreamEngine:
         tensors are let go of once the compute stream waits on their copies, as at a region's close."""
         keys, pending, self.pending = storage_keys(own), self.pending, []
         self.stats.layer = None
-        for key, packed in pending:
-            tensor, region = packed.tensor, packed.region
-            moved = self._move(tensor, region) if key in keys and tensor is not None and not region.unpacked else None
+        for key, ref in pending:
+            packed = ref() if key in keys else None
+            if packed is None or packed.tensor is None or packed.region.unpacked:
+                continue
+            moved = self._move(packed.tensor, packed.region)
             if moved is not None:
                 (packed.copy, packed.layout), packed.tensor = moved, None
         self._retire(before=self._serial + 1)
