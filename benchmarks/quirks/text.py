@@ -212,3 +212,15 @@ def _target_states_to_draft_from(model, config, batch):
         kv = (size[0], text.num_key_value_heads, size[1], head)
         states[kind] = (torch.randn(kv, generator=generator), torch.randn(kv, generator=generator))
     return {"inputs_embeds": embeds, "shared_kv_states": states}
+
+
+@batch_fix("evolla", kind="protein+text")
+def _protein_sequences_beside_the_text(model, config, batch):
+    """Evolla answers questions about a protein: its processor gives the SaProt encoder the protein's structure-aware
+    tokens (``protein_input_ids``, amino acid and Foldseek letter pairs, with their mask) beside the text, and the
+    text's decoder attends to what the encoder made of them. The sequence is shorter than the text, as a short
+    protein's would be at these sizes."""
+    import conformance
+
+    protein = conformance.token_sampler(config.protein_encoder_config)(conformance.SEQ - 8)
+    return {**batch, "protein_input_ids": protein, "protein_attention_mask": protein.new_ones(protein.shape)}
