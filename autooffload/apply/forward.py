@@ -46,10 +46,12 @@ class ForwardState:
         self.batch: Any = None
         # This forward's first calls that deferred tensors: position -> (its reported bytes, shape, the tensors).
         self._first_deferred: dict[int, tuple[int, tuple[int, int] | None, list[weakref.ref]]] = {}
+        self.open = False  # a forward the hooks saw begin runs, and its end will settle what its calls deferred
 
     def new_forward(self) -> None:
         self.moved.clear()
         self._first_deferred = {}
+        self.open = True
         self.inputs.new_forward()
         for calls in self.calls:
             calls.count = 0
@@ -78,7 +80,9 @@ class ForwardState:
         def counted(args: tuple) -> LayerCall:
             if not torch.is_grad_enabled():
                 return LayerCall()
-            call = self.inputs.of(position, args)
+            # Deferred only where a forward's end will settle it: not in a forward the hooks did not see begin (a
+            # loop over the layers), nor in a recompute's nested call in the backward.
+            call = self.inputs.of(position, args, defer=self.open and torch._C._current_graph_task_id() == -1)
             if self.counts[position] == 0 and self.on_first_call is not None:
                 nbytes, shape = _nbytes(call.moving), input_shape(call.moving[0]) if call.moving else None
                 self.on_first_call(position, nbytes, shape)
@@ -94,7 +98,7 @@ class ForwardState:
         """The forward ends: the deferred tensors that no other call received, which move now; a first call that
         deferred some of them is reported again to ``on_first_call`` with their bytes."""
         own = self.inputs.settle()
-        first, self._first_deferred = self._first_deferred, {}
+        first, self._first_deferred, self.open = self._first_deferred, {}, False
         for position, (nbytes, shape, refs) in first.items():
             extra = [ref() for ref in refs if any(ref() is tensor for tensor in own)]
             if extra and self.on_first_call is not None:

@@ -64,11 +64,12 @@ def offload_function(
 ) -> Callable[..., Any]:
     counted = forward.counter(position)
 
+    # Under the engine's hooks even when nothing of the call moves (its input moved already, or it passes none
+    # positionally): an outer checkpoint's recompute runs this call again, where what moved in the forward may
+    # differ, and it must see the same saves as its forward did (the hooks take them all, moving or not).
     def checkpoint_offload(function, *args, **call_kwargs):
         call = counted(args)
         inputs = forward.claim(call.moving)
-        if not inputs and not call.deferred:
-            return checkpoint(function, *args, **kwargs, **call_kwargs)
         _packing(stats, position)
         with engine.hooks(last, inputs, call.deferred):
             return checkpoint(function, *args, **kwargs, **call_kwargs)

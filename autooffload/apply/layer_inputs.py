@@ -76,9 +76,10 @@ class LayerInputs:
                 own.append(tensor)
         return own
 
-    def of(self, position: int, args: tuple) -> LayerCall:
+    def of(self, position: int, args: tuple, defer: bool = True) -> LayerCall:
         """The tensors of layer ``position``'s call with ``args`` that move: its first positional tensor, then its
-        own second activations, and those deferred to the forward's end (none: no positional tensor)."""
+        own second activations, and those deferred to the forward's end (none: no positional tensor). Without
+        ``defer`` (no forward's end will settle them) those stay."""
         places = [(place, arg) for place, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
         if not places:
             return LayerCall()
@@ -103,7 +104,7 @@ class LayerInputs:
                     moving.append(tensor)
             elif guess:
                 moving.append(tensor)
-            else:
+            elif defer:
                 deferred.append(tensor)
                 self._deferred.append(weakref.ref(tensor))
         return LayerCall(tuple(moving), tuple(deferred))
@@ -137,7 +138,10 @@ def argument_names(module: torch.nn.Module) -> tuple[str, ...]:
 
 
 def _activation(tensor: torch.Tensor) -> bool:
-    """A floating-point tensor that requires grad and owns its storage (not a view into a larger one)."""
+    """A floating-point tensor that requires grad and owns its storage (not a view into a larger one), and is not a
+    parameter."""
+    if isinstance(tensor, torch.nn.Parameter):  # the model holds it: moving a copy frees nothing
+        return False
     if not (tensor.is_floating_point() and tensor.requires_grad) or tensor.layout != torch.strided:
         return False
     try:

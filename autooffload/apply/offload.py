@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -124,9 +124,8 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     A tensor the budget or the host cannot take stays on the device. A non-contiguous one (rare in a
     decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
     it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning) or stands for the
-    host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device and is added to
-    ``pending`` (weakly: what autograd let go of, a recompute's save in the backward, has nothing left to move),
-    for :meth:`SyncEngine.settle` to move when the forward ends.
+    host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device and goes to
+    ``defer``, for :meth:`SyncEngine.settle` to move when the forward ends.
     """
 
     def __init__(
@@ -135,7 +134,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         host: HostMemory,
         layer_input: LayerInput = None,
         deferred: Sequence[torch.Tensor] = (),
-        pending: list[tuple[tuple, weakref.ref]] | None = None,
+        defer: Callable[[tuple, _Saved], None] | None = None,
     ) -> None:
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
@@ -143,12 +142,11 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(tensor: torch.Tensor) -> _Saved:
             key = storage_key(tensor)
-            if key in later and pending is not None:
-                saved = _Saved(tensor.device, tensor)
-                pending.append((key, weakref.ref(saved)))
-                return saved
             if filtered and key not in only:
-                return _Saved(tensor.device, tensor)
+                saved = _Saved(tensor.device, tensor)
+                if key in later and defer is not None:
+                    defer(key, saved)
+                return saved
             return _to_host(tensor, stats, host)
 
         def unpack(saved: _Saved) -> torch.Tensor:
@@ -170,12 +168,18 @@ class SyncEngine:
     def __init__(self, stats: OffloadStats, host: HostMemory | None = None) -> None:
         self.stats = stats
         self.host = host if host is not None else HostMemory()
-        self.pending: list[tuple[tuple, weakref.ref]] = []
+        # This forward's deferred saves, weakly (one autograd let go of has nothing left to move), with their layer.
+        self.pending: list[tuple[tuple, weakref.ref, int | None]] = []
 
     def hooks(
         self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
     ) -> HostOffloadHooks:
-        return HostOffloadHooks(self.stats, self.host, layer_input, deferred, self.pending)
+        return HostOffloadHooks(self.stats, self.host, layer_input, deferred, self._defer)
+
+    def _defer(self, key: tuple, saved: _Saved) -> None:
+        # Through the engine, not a list the hooks hold: autograd keeps a pack hook while its saves live, and a list
+        # it held would keep every other layer's deferred saves alive with it.
+        self.pending.append((key, weakref.ref(saved), self.stats.layer))
 
     def begin_forward(self) -> None:
         """Nothing links one layer call to another here; what an earlier forward deferred stays where it is."""
@@ -184,9 +188,9 @@ class SyncEngine:
     def settle(self, own: Sequence[torch.Tensor]) -> None:
         """The forward ended: the deferred tensors of ``own``'s storages move to host memory, the others stay."""
         keys, pending, self.pending = storage_keys(own), self.pending, []
-        self.stats.layer = None
-        for key, ref in pending:
+        for key, ref, layer in pending:
             saved = ref() if key in keys else None
             if saved is not None and saved.loan is None:
+                self.stats.layer = layer
                 moved = _to_host(saved.tensor, self.stats, self.host)
                 saved.tensor, saved.loan = moved.tensor, moved.loan

@@ -157,12 +157,11 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(tensor: torch.Tensor) -> _Packed:
             key = storage_key(tensor)
-            if key in later:
-                packed = _Packed(region, tensor=tensor)
-                engine.pending.append((key, weakref.ref(packed)))
-                return packed
             if filtered and key not in only:
-                return _Packed(region, tensor=tensor)
+                packed = _Packed(region, tensor=tensor)
+                if key in later:
+                    engine.pending.append((key, weakref.ref(packed), engine.stats.layer))
+                return packed
             return engine._pack(tensor, region, keep)
 
         super().__init__(pack, engine._unpack)
@@ -200,7 +199,7 @@ class StreamEngine:
         self._serial = 0
         self._in_flight: list[tuple[int, torch.Tensor, Any, Any]] = []
         # This forward's deferred saves (:meth:`settle`), weakly: one autograd let go of has nothing left to move.
-        self.pending: list[tuple[tuple, weakref.ref]] = []
+        self.pending: list[tuple[tuple, weakref.ref, int | None]] = []
 
     def hooks(
         self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
@@ -222,18 +221,22 @@ class StreamEngine:
 
     def settle(self, own: Sequence[torch.Tensor]) -> None:
         """The forward ended: the deferred tensors of ``own``'s storages start their copies to the host (each
-        joins its layer's region, so the backward prefetches it with the rest), the others stay. The device
-        tensors are let go of once the compute stream waits on their copies, as at a region's close."""
+        joins its layer's region, so the backward prefetches it with the rest), the others stay. Where any moved,
+        the device tensors are let go of once the compute stream waits on the copies, as at a region's close (the
+        forward's last held input with them); that is a first forward's cost only, a later one defers nothing."""
         keys, pending, self.pending = storage_keys(own), self.pending, []
-        self.stats.layer = None
-        for key, ref in pending:
+        started = False
+        for key, ref, layer in pending:
             packed = ref() if key in keys else None
             if packed is None or packed.tensor is None or packed.region.unpacked:
                 continue
+            self.stats.layer = layer
             moved = self._move(packed.tensor, packed.region)
             if moved is not None:
                 (packed.copy, packed.layout), packed.tensor = moved, None
-        self._retire(before=self._serial + 1)
+                started = True
+        if started:
+            self._retire(before=self._serial + 1)
 
     def _find_held(self) -> None:
         """Where the parameters and buffers live now (a cast or move after attach puts them elsewhere)."""
