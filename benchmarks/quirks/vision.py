@@ -230,24 +230,6 @@ def _step_builds_a_sliding_mask(config):
     config.vision_config.image_size = 16 * config.vision_config.patch_size
 
 
-# ---- Inkling ---------------------------------------------------------------------------------------------
-
-
-@batch_fix("inkling_mm_model", kind="image")
-def _inkling_batch(model, config, batch):
-    """``InklingProcessor``'s batch: each image cut into ``patch_size`` squares (here 4 x 4 of them), each repeated
-    twice in time (``[patches, 2, H, W, C]``, every image's patches in one tensor), one image token per patch after
-    the image's ``<|content_image|>``."""
-    import conformance
-    import torch
-
-    vision, per_image = config.vision_config, 16
-    shape = (conformance.BATCH * per_image, 1, vision.patch_size, vision.patch_size, vision.num_channels)
-    pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).expand(-1, 2, -1, -1, -1)
-    framed = before_text(batch["input_ids"], [config.image_bos_token_id, *[config.image_token_id] * per_image])
-    return {"pixel_values": pixels.contiguous(), **framed}
-
-
 # ---- timm towers -----------------------------------------------------------------------------------------
 
 
