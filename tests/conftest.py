@@ -12,6 +12,8 @@ from releases import releases
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
+from autooffload import OffloadController, Settings
+from autooffload.apply.host_memory import HostMemory
 from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
 
 LAYERS, HIDDEN, VOCAB = 4, 64, 256
@@ -133,6 +135,15 @@ def compiles_whole() -> bool:
     whole = layer_frames(step) == 0
     torch._dynamo.reset()
     return whole
+
+
+def offloading(net: torch.nn.Module) -> OffloadController:
+    """An ``OffloadController`` in mode ``"on"`` (1 GiB of host memory, no probe), attached to ``net``: its host
+    memory pins its buffers with no-op register, unregister and drain (no CUDA needed)."""
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
+    controller.attach(net)
+    return controller
 
 
 def run_steps(net: torch.nn.Module, ids: torch.Tensor, controller=None, count: int = 2, skip_unused: bool = False):

@@ -12,12 +12,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from conftest import run_steps, same_grads
+from conftest import offloading, run_steps, same_grads
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from autooffload import OffloadController, Settings
-from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.layout import ModelLayout
 
 VOCAB, BATCH, SEQ, PATCH = 64, 2, 16, 4
@@ -91,11 +89,7 @@ def test_every_stack_beside_the_text_stack_is_planned():
 def steps(on: bool):
     net = Blt()
     net.train()
-    controller = None
-    if on:
-        host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-        controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
-        controller.attach(net)
+    controller = offloading(net) if on else None
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return run_steps(net, ids, controller)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_steps, same_grads
+from conftest import offloading, run_steps, same_grads
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from autooffload import OffloadController, Settings
@@ -93,13 +93,9 @@ def test_nothing_autooffload_notes_keeps_a_moved_input_alive():
     import gc
     import weakref
 
-    from autooffload.apply.host_memory import HostMemory
-
     net = Net()
     net.train()
-    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
-    controller.attach(net)
+    controller = offloading(net)
     inputs: list[weakref.ref] = []
     for layer in net.layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))

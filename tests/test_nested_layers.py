@@ -14,12 +14,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from conftest import run_steps, same_grads
+from conftest import offloading, run_steps, same_grads
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from autooffload import OffloadController, Settings
-from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.targets import find_targets
 
 LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 3, 32, 64, 2, 16
@@ -78,11 +76,8 @@ def test_only_the_outer_layers_are_planned():
 def steps(on: bool):
     net = Net()
     net.train()
-    controller = None
+    controller = offloading(net) if on else None
     if on:
-        host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-        controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
-        controller.attach(net)
         assert len(controller.switch.layers) == LAYERS
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return run_steps(net, ids, controller)
