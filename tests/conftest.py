@@ -148,7 +148,7 @@ def offloading(net: torch.nn.Module) -> OffloadController:
 
 def run_steps(net: torch.nn.Module, ids: torch.Tensor, controller=None, count: int = 2, skip_unused: bool = False):
     """``count`` training steps of ``net`` on ``ids`` (each: zero the gradients, forward to a loss, backward), the
-    attached ``controller`` (None: plain checkpointing) ending each. Returns ``(moved, arithmetic, grads)``: the
+    attached ``controller`` (None: no autooffload) ending each. Returns ``(moved, arithmetic, grads)``: the
     bytes the controller moved each step and its arithmetic's planned bytes before the step ended (both empty
     without a controller), and a copy of every parameter's gradient each step (an unused one, with no gradient,
     fails; ``skip_unused`` leaves it out)."""
