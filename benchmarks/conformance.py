@@ -361,6 +361,7 @@ def tiny_config(model_type: str, sizes: bool = True, mapping: str = "causal") ->
     """``model_type``'s default config shrunk (:func:`shrink`), with the ids a processor would set, and what the type
     needs besides (:mod:`quirks`)."""
     import quirks
+    from quirks.tokens import free_ids
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **quirks.base_kwargs(model_type))
@@ -374,7 +375,7 @@ def tiny_config(model_type: str, sizes: bool = True, mapping: str = "causal") ->
     vocab, taken = text_vocab(config), special_ids(config)
     for key in ("image_token_id", "audio_token_id"):  # set by the processor where the config leaves it unset
         if key in vars(config) and getattr(config, key) is None and isinstance(vocab, int):
-            free = next(i for i in range(vocab - 2, 0, -1) if i not in taken)
+            free = free_ids(config, below=vocab - 1, taken=taken)[0]
             taken.add(free)
             with contextlib.suppress(Exception):
                 setattr(config, key, free)

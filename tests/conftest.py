@@ -12,6 +12,8 @@ from releases import releases
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
+from autooffload import OffloadController, Settings
+from autooffload.apply.host_memory import HostMemory
 from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
 
 LAYERS, HIDDEN, VOCAB = 4, 64, 256
@@ -133,3 +135,39 @@ def compiles_whole() -> bool:
     whole = layer_frames(step) == 0
     torch._dynamo.reset()
     return whole
+
+
+def offloading(net: torch.nn.Module) -> OffloadController:
+    """An ``OffloadController`` in mode ``"on"`` (1 GiB of host memory, no probe), attached to ``net``: its host
+    memory pins its buffers with no-op register, unregister and drain (no CUDA needed)."""
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
+    controller.attach(net)
+    return controller
+
+
+def run_steps(net: torch.nn.Module, ids: torch.Tensor, controller=None, count: int = 2, skip_unused: bool = False):
+    """``count`` training steps of ``net`` on ``ids`` (each: zero the gradients, forward to a loss, backward), the
+    attached ``controller`` (None: no autooffload) ending each. Returns ``(moved, arithmetic, grads)``: the
+    bytes the controller moved each step and its arithmetic's planned bytes before the step ended (both empty
+    without a controller), and a copy of every parameter's gradient each step (an unused one, with no gradient,
+    fails; ``skip_unused`` leaves it out)."""
+    moved, arithmetic, grads = [], [], []
+    for _ in range(count):
+        net.zero_grad()
+        net(ids).backward()
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None or not skip_unused])
+        if controller is not None:
+            arithmetic.append(controller.planned_bytes())
+            controller.end_step()
+            moved.append(controller.last_step_bytes)
+    return moved, arithmetic, grads
+
+
+def same_grads(grads: list[list[torch.Tensor]], reference: list[list[torch.Tensor]]) -> bool:
+    """Every step's gradients equal the reference run's, bit for bit (a step or a gradient more or fewer raises)."""
+    return all(
+        torch.equal(a, b)
+        for step, plain in zip(grads, reference, strict=True)
+        for a, b in zip(step, plain, strict=True)
+    )

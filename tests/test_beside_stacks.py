@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from conftest import offloading, run_steps, same_grads
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from autooffload import OffloadController, Settings
-from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.layout import ModelLayout
 
 VOCAB, BATCH, SEQ, PATCH = 64, 2, 16, 4
@@ -90,22 +89,9 @@ def test_every_stack_beside_the_text_stack_is_planned():
 def steps(on: bool):
     net = Blt()
     net.train()
-    controller = None
-    if on:
-        host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-        controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
-        controller.attach(net)
+    controller = offloading(net) if on else None
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    moved, arithmetic, grads = [], [], []
-    for _ in range(2):
-        net.zero_grad()
-        net(ids).backward()
-        grads.append([p.grad.clone() for p in net.parameters()])
-        if controller is not None:
-            arithmetic.append(controller.planned_bytes())
-            controller.end_step()
-            moved.append(controller.last_step_bytes)
-    return moved, arithmetic, grads
+    return run_steps(net, ids, controller)
 
 
 def test_every_layer_of_every_stack_moves_its_own_input():
@@ -116,8 +102,7 @@ def test_every_layer_of_every_stack_moves_its_own_input():
     assert moved == [inputs * 4] * 2
     # each stack sized with its own length and width, though no config gives a guess of the bytes per token
     assert [round(a) for a in arithmetic] == moved
-    pairs = [(a, b) for step, plain in zip(grads, reference, strict=True) for a, b in zip(step, plain, strict=True)]
-    assert all(torch.equal(a, b) for a, b in pairs)
+    assert same_grads(grads, reference)
 
 
 class Blocks(torch.nn.Module):

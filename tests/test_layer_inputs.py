@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import offloading, run_steps, same_grads
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from autooffload import OffloadController, Settings
@@ -64,17 +65,7 @@ def steps(mode: str | None, level: int | None = None):
         controller = OffloadController(Settings(mode=mode), probe=None, policy=Fixed() if level else None)
         controller.attach(net)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    moved, arithmetic, grads = [], [], []
-    for _ in range(2):
-        net.zero_grad()
-        loss = net(ids)
-        loss.backward()
-        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
-        if controller is not None:
-            arithmetic.append(controller.planned_bytes())
-            controller.end_step()
-            moved.append(controller.last_step_bytes)
-    return moved, arithmetic, grads
+    return run_steps(net, ids, controller, skip_unused=True)  # the last layer's make_own: its output is unused
 
 
 def per_layer() -> int:
@@ -86,11 +77,7 @@ def test_every_layer_moves_its_input_and_its_own_second_activation_and_the_share
     moved, arithmetic, grads = steps("on")
     assert moved == [LAYERS * per_layer()] * 2
     assert arithmetic == moved
-    assert all(
-        torch.equal(a, b)
-        for step, plain in zip(grads, reference, strict=True)
-        for a, b in zip(step, plain, strict=True)
-    )
+    assert same_grads(grads, reference)
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -106,13 +93,9 @@ def test_nothing_autooffload_notes_keeps_a_moved_input_alive():
     import gc
     import weakref
 
-    from autooffload.apply.host_memory import HostMemory
-
     net = Net()
     net.train()
-    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
-    controller.attach(net)
+    controller = offloading(net)
     inputs: list[weakref.ref] = []
     for layer in net.layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))

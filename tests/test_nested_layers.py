@@ -14,11 +14,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from conftest import offloading, run_steps, same_grads
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from autooffload import OffloadController, Settings
-from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.targets import find_targets
 
 LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 3, 32, 64, 2, 16
@@ -77,23 +76,11 @@ def test_only_the_outer_layers_are_planned():
 def steps(on: bool):
     net = Net()
     net.train()
-    controller = None
+    controller = offloading(net) if on else None
     if on:
-        host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-        controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
-        controller.attach(net)
         assert len(controller.switch.layers) == LAYERS
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    moved, arithmetic, grads = [], [], []
-    for _ in range(2):
-        net.zero_grad()
-        net(ids).backward()
-        grads.append([p.grad.clone() for p in net.parameters()])
-        if controller is not None:
-            arithmetic.append(controller.planned_bytes())
-            controller.end_step()
-            moved.append(controller.last_step_bytes)
-    return moved, arithmetic, grads
+    return run_steps(net, ids, controller)
 
 
 def test_a_nested_checkpointed_layer_moves_nothing_of_its_own():
@@ -101,8 +88,4 @@ def test_a_nested_checkpointed_layer_moves_nothing_of_its_own():
     moved, arithmetic, grads = steps(on=True)
     assert moved == [LAYERS * BATCH * SEQ * HIDDEN * 4] * 2  # each outer layer's input, once; no second copy
     assert arithmetic == moved
-    assert all(
-        torch.equal(a, b)
-        for step, plain in zip(grads, reference, strict=True)
-        for a, b in zip(step, plain, strict=True)
-    )
+    assert same_grads(grads, reference)

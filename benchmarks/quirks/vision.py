@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .registry import batch_fix, config_fix, fix_config
+from .tokens import before_text, free_ids
 
 # ---- helpers -----------------------------------------------------------------------------------------------
 
@@ -20,19 +21,6 @@ def _text(config: Any, length: int, avoid: Iterable[int] = ()) -> Any:
     allowed = torch.tensor([i for i in range(conformance.text_vocab(config)) if i not in taken])
     picks = torch.randint(len(allowed), (conformance.BATCH, length), generator=torch.Generator().manual_seed(1))
     return allowed[picks]
-
-
-def _image_first(text: Any, token: int, count: int, before: Iterable[int] = ()) -> tuple[Any, Any]:
-    """``(input_ids, labels)``: ``before``, then ``count`` copies of the image ``token``, then the text, as a
-    processor expands an image's placeholder; the labels skip everything but the text."""
-    import torch
-
-    head = [*before, *[token] * count]
-    prefix = torch.tensor(head, dtype=text.dtype).expand(text.shape[0], -1)
-    input_ids = torch.cat([prefix, text], dim=1)
-    labels = input_ids.clone()
-    labels[:, : len(head)] = -100
-    return input_ids, labels
 
 
 # ---- Chameleon -------------------------------------------------------------------------------------------
@@ -60,9 +48,9 @@ def _chameleon_batch(model, config, batch):
     import torch
 
     codes = set(config.vocabulary_map.values()) - {config.image_token_id}
-    input_ids, labels = _image_first(_text(config, conformance.SEQ, codes), config.image_token_id, 16)
+    framed = before_text(_text(config, conformance.SEQ, codes), [config.image_token_id] * 16)
     pixels = torch.randn(conformance.BATCH, 3, 64, 64, generator=torch.Generator().manual_seed(2))
-    return {"pixel_values": pixels, "input_ids": input_ids, "labels": labels}
+    return {"pixel_values": pixels, **framed}
 
 
 # ---- Cohere Compass ----------------------------------------------------------------------------------------
@@ -157,8 +145,8 @@ def _granite_vision_batch(model, config, batch):
     with torch.no_grad():
         features = model.model.get_image_features(pixels, sizes)
     count = len(features.deepstack_features[0][1][0])
-    input_ids, labels = _image_first(batch["input_ids"], config.image_token_index, count)
-    return {"pixel_values": pixels, "image_sizes": sizes, "input_ids": input_ids, "labels": labels}
+    framed = before_text(batch["input_ids"], [config.image_token_index] * count)
+    return {"pixel_values": pixels, "image_sizes": sizes, **framed}
 
 
 # ---- Mistral 4 -------------------------------------------------------------------------------------------
@@ -175,14 +163,6 @@ def _mistral4_head_is_nope_plus_rope(config):
 # ---- Molmo2 ----------------------------------------------------------------------------------------------
 
 
-def _free_ids(config: Any, count: int) -> list[int]:
-    """The ``count`` highest text ids no special token holds: where a processor's added tokens land."""
-    import conformance
-
-    taken = conformance.special_ids(config)
-    return [i for i in range(conformance.text_vocab(config) - 1, 0, -1) if i not in taken][:count]
-
-
 @config_fix("molmo2")
 def _molmo2_patch_token_and_small_crops(config):
     """The ``<im_patch>`` id (``image_patch_id``, 151938) is no ``*_token_id`` key, so the shrink left it outside the
@@ -190,7 +170,7 @@ def _molmo2_patch_token_and_small_crops(config):
     layer and its seventh from last (``vision_feature_layer`` ``[24, 18]`` of 25), which the shrink left beyond the
     three layers: here the last and the first. 378-pixel crops of 14-pixel patches (27 a side) are cut to 16 a side,
     the position table with them."""
-    config.image_patch_id = _free_ids(config, 1)[0]
+    config.image_patch_id = free_ids(config)[0]
     vision = config.vision_config
     vision.image_size = [16 * vision.patch_size] * 2
     vision.num_position_embeddings = 16 * 16
@@ -220,21 +200,20 @@ def _molmo2_batch(model, config, batch):
     side, pool = vision.image_size[0] // vision.patch_size, 2
     pixels = torch.randn(rows, side * side, vision.patch_size**2 * 3, generator=torch.Generator().manual_seed(2))
     cells = side // pool
-    column = next(i for i in _free_ids(config, 2) if i != config.image_patch_id)
+    column = free_ids(config, taken=[config.image_patch_id])[0]
     row = [config.image_patch_id] * cells + [column]
     head = [config.low_res_image_start_token_id, *row * cells, config.image_end_token_id]
-    text = batch["input_ids"]
-    input_ids = torch.cat([torch.tensor(head).expand(rows, -1), text], dim=1)
-    image = torch.zeros_like(input_ids)
+    framed = before_text(batch["input_ids"], head)
+    image = torch.zeros_like(framed["input_ids"])
     image[:, : len(head)] = 1
     return {
         "pixel_values": pixels,
         "image_token_pooling": _pooling_windows(side, pool).repeat(rows, 1),
         "image_grids": torch.tensor([[cells, cells, 0, 0]] * rows),
         "image_num_crops": torch.ones(rows, dtype=torch.long),
-        "input_ids": input_ids,
+        "input_ids": framed["input_ids"],
         "mm_token_type_ids": image,
-        "labels": input_ids.masked_fill(image.bool(), -100),
+        "labels": framed["labels"],
     }
 
 
@@ -249,26 +228,6 @@ def _step_builds_a_sliding_mask(config):
     14-pixel patches (52 a side) are cut to 16 a side."""
     config.text_config.sliding_window = 512
     config.vision_config.image_size = 16 * config.vision_config.patch_size
-
-
-# ---- Inkling ---------------------------------------------------------------------------------------------
-
-
-@batch_fix("inkling_mm_model", kind="image")
-def _inkling_batch(model, config, batch):
-    """``InklingProcessor``'s batch: each image cut into ``patch_size`` squares (here 4 x 4 of them), each repeated
-    twice in time (``[patches, 2, H, W, C]``, every image's patches in one tensor), one image token per patch after
-    the image's ``<|content_image|>``."""
-    import conformance
-    import torch
-
-    vision, per_image = config.vision_config, 16
-    shape = (conformance.BATCH * per_image, 1, vision.patch_size, vision.patch_size, vision.num_channels)
-    pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).expand(-1, 2, -1, -1, -1)
-    input_ids, labels = _image_first(
-        batch["input_ids"], config.image_token_id, per_image, before=[config.image_bos_token_id]
-    )
-    return {"pixel_values": pixels.contiguous(), "input_ids": input_ids, "labels": labels}
 
 
 # ---- timm towers -----------------------------------------------------------------------------------------
@@ -321,8 +280,8 @@ def _perception_lm_batch(model, config, batch):
     pixels = torch.randn(conformance.BATCH, 1, 3, side, side, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         count = model.model.get_image_features(pixels).pooler_output.shape[1]
-    input_ids, labels = _image_first(batch["input_ids"], config.image_token_id, count)
-    return {"pixel_values": pixels, "input_ids": input_ids, "labels": labels}
+    framed = before_text(batch["input_ids"], [config.image_token_id] * count)
+    return {"pixel_values": pixels, **framed}
 
 
 # The released MobileNet-V5-300M encoder's stages, one block of each kind a stage at 1/8 to 1/20 of the widths

@@ -3,30 +3,9 @@ batch (:func:`media_batches.image_batch`) cannot guess (see :mod:`quirks`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .registry import batch_fix, config_fix
+from .tokens import before_text, free_ids
 from .vision_inputs import random_pixels, small_images
-
-
-def _free_ids(config: Any, count: int) -> list[int]:
-    """The ``count`` highest text ids no special token holds, highest first: where a processor's added tokens land
-    (the end of the tokenizer's vocabulary)."""
-    import conformance
-
-    vocab, taken = conformance.text_vocab(config), conformance.special_ids(config)
-    return [i for i in range(vocab - 1, 0, -1) if i not in taken][:count]
-
-
-def _before_text(text: Any, head: list[int]) -> dict:
-    """``input_ids`` with ``head`` (one image's expanded placeholder: its tags and image tokens) before each row of
-    ``text``, and labels that score the text only."""
-    import torch
-
-    head = torch.tensor(head, dtype=text.dtype).expand(text.shape[0], -1)
-    input_ids = torch.cat([head, text], dim=1)
-    return {"input_ids": input_ids, "labels": torch.cat([torch.full_like(head, -100), text], dim=1)}
-
 
 # ---- PaliGemma -----------------------------------------------------------------------------------------------
 
@@ -48,7 +27,7 @@ def _paligemma_batch(model, config, batch):
     vision = config.vision_config
     count = (vision.image_size // vision.patch_size) ** 2
     head = [config.image_token_id] * count + [config.text_config.bos_token_id]
-    input_ids = _before_text(batch["input_ids"], head)["input_ids"]
+    input_ids = before_text(batch["input_ids"], head)["input_ids"]
     types = torch.zeros_like(input_ids)
     types[:, len(head) + conformance.SEQ // 2 :] = 1  # the second half of the text is the suffix
     return {
@@ -85,12 +64,12 @@ def _idefics3_batch(model, config, batch):
 
     vision = config.vision_config
     count = (vision.image_size // vision.patch_size // config.scale_factor) ** 2
-    fake, glob = _free_ids(config, 2)
+    fake, glob = free_ids(config, 2)
     pixels = random_pixels(vision, conformance.BATCH, 1)
     return {
         "pixel_values": pixels,
         "pixel_attention_mask": torch.ones(*pixels.shape[:2], *pixels.shape[-2:], dtype=torch.bool),
-        **_before_text(batch["input_ids"], [fake, glob, *[config.image_token_id] * count, fake]),
+        **before_text(batch["input_ids"], [fake, glob, *[config.image_token_id] * count, fake]),
     }
 
 
@@ -121,9 +100,9 @@ def _aya_vision_batch(model, config, batch):
     text: one id each here, none a special token's)."""
     import conformance
 
-    start, tile, end = _free_ids(config, 3)
+    start, tile, end = free_ids(config, 3)
     count = _shuffled_tokens(config)
-    framed = _before_text(batch["input_ids"], [start, tile, *[config.image_token_index] * count, end])
+    framed = before_text(batch["input_ids"], [start, tile, *[config.image_token_index] * count, end])
     return {"pixel_values": random_pixels(config.vision_config, conformance.BATCH), **framed}
 
 
@@ -133,9 +112,9 @@ def _cohere2_vision_batch(model, config, batch):
     before the text (the tags are the tokenizer's added tokens: here ids no special token holds)."""
     import conformance
 
-    boi, line, eoi = _free_ids(config, 3)
+    boi, line, eoi = free_ids(config, 3)
     head = [boi, *[config.image_token_id] * _shuffled_tokens(config), line, eoi]
-    framed = _before_text(batch["input_ids"], head)
+    framed = before_text(batch["input_ids"], head)
     return {"pixel_values": random_pixels(config.vision_config, conformance.BATCH), **framed}
 
 
@@ -179,7 +158,7 @@ def _llava_onevision_batch(model, config, batch):
             **extra,
         )
     count = media_batches._count(features) // conformance.BATCH
-    framed = _before_text(batch["input_ids"], [config.image_token_index] * count)
+    framed = before_text(batch["input_ids"], [config.image_token_index] * count)
     return {"pixel_values": pixels, **extra, **framed}
 
 
@@ -207,7 +186,7 @@ def _aria_batch(model, config, batch):
     import torch
 
     pixels = random_pixels(config.vision_config, conformance.BATCH)
-    framed = _before_text(batch["input_ids"], [config.image_token_id] * ARIA_QUERIES)
+    framed = before_text(batch["input_ids"], [config.image_token_id] * ARIA_QUERIES)
     mask = torch.ones(pixels.shape[0], *pixels.shape[-2:], dtype=torch.bool)
     return {"pixel_values": pixels, "pixel_mask": mask, **framed}
 
@@ -232,9 +211,9 @@ def _janus_batch(model, config, batch):
     the text (the tags are the tokenizer's added tokens: here ids no special token holds)."""
     import conformance
 
-    boi, eoi = _free_ids(config, 2)
+    boi, eoi = free_ids(config, 2)
     vision = config.vision_config
-    framed = _before_text(batch["input_ids"], [boi, *[config.image_token_id] * vision.num_image_tokens, eoi])
+    framed = before_text(batch["input_ids"], [boi, *[config.image_token_id] * vision.num_image_tokens, eoi])
     return {"pixel_values": random_pixels(vision, conformance.BATCH), **framed}
 
 
@@ -268,7 +247,7 @@ def _florence2_batch(model, config, batch):
     count = (FLORENCE_IMAGE // 32) ** 2 + 1
     prompt = ids(conformance.SEQ // 2)
     prompt = torch.cat([prompt, torch.full_like(prompt[:, :1], text.eos_token_id)], dim=1)
-    input_ids = _before_text(prompt, [config.image_token_id] * count + [text.bos_token_id])["input_ids"]
+    input_ids = before_text(prompt, [config.image_token_id] * count + [text.bos_token_id])["input_ids"]
     pixels = torch.randn(
         conformance.BATCH, 3, FLORENCE_IMAGE, FLORENCE_IMAGE, generator=torch.Generator().manual_seed(2)
     )
@@ -300,7 +279,7 @@ def _vipllava_batch(model, config, batch):
 
     vision = config.vision_config
     count = (vision.image_size // vision.patch_size) ** 2
-    framed = _before_text(batch["input_ids"], [config.image_token_index] * count)
+    framed = before_text(batch["input_ids"], [config.image_token_index] * count)
     return {"pixel_values": random_pixels(vision, conformance.BATCH), **framed}
 
 
@@ -334,10 +313,10 @@ def _apertus_batch(model, config, batch):
     import torch
 
     side = APERTUS_IMAGE // 16
-    boi, wrapper, eol, eoi = _free_ids(config, 4)
+    boi, wrapper, eol, eoi = free_ids(config, 4)
     header = conformance.token_sampler(config)(3)[0].tolist()
     rows = ([config.image_token_id] * side + [eol]) * side
-    framed = _before_text(batch["input_ids"], [boi, *header, wrapper, *rows[:-1], eoi])
+    framed = before_text(batch["input_ids"], [boi, *header, wrapper, *rows[:-1], eoi])
     pixels = torch.rand(conformance.BATCH, 3, APERTUS_IMAGE, APERTUS_IMAGE, generator=torch.Generator().manual_seed(2))
     return {
         "pixel_values": pixels * 2 - 1,  # the processor's [-1, 1]
@@ -358,9 +337,9 @@ def _fuyu_batch(model, config, batch):
     import torch
 
     side = config.image_size // config.patch_size
-    newline = _free_ids(config, 1)[0]
+    newline = free_ids(config)[0]
     rows = ([config.image_token_id] * side + [newline]) * side
-    framed = _before_text(batch["input_ids"], [*rows, config.text_config.bos_token_id])
+    framed = before_text(batch["input_ids"], [*rows, config.text_config.bos_token_id])
     width = config.patch_size**2 * config.num_channels
     patches = torch.randn(conformance.BATCH, side * side, width, generator=torch.Generator().manual_seed(2))
     return {"pixel_values": patches, **framed}

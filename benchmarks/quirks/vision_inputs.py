@@ -5,20 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from .registry import batch_fix, config_fix
+from .tokens import before_text, free_ids
 
 PATCHES_PER_SIDE = 16  # the largest vision tower the sweep builds: 16 x 16 patches
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------
-
-
-def _free_id(config: Any) -> int:
-    """The highest text id no special token holds: where a processor's added ``<image>`` token lands (the end of
-    the tokenizer's vocabulary)."""
-    import conformance
-
-    vocab, taken = conformance.text_vocab(config), conformance.special_ids(config)
-    return next(i for i in range(vocab - 1, 0, -1) if i not in taken)
 
 
 def small_images(vision: Any) -> None:
@@ -34,17 +26,6 @@ def random_pixels(vision: Any, *lead: int) -> Any:
     generator = torch.Generator().manual_seed(2)
     channels = getattr(vision, "num_channels", 3)
     return torch.randn(*lead, channels, vision.image_size, vision.image_size, generator=generator)
-
-
-def _with_placeholders(text: Any, token: int, count: int) -> tuple[Any, Any]:
-    """``input_ids`` with ``count`` copies of ``token`` before the text, as the BLIP-2 processors expand them, and
-    labels that skip them."""
-    import torch
-
-    input_ids = torch.cat([torch.full((text.shape[0], count), token, dtype=text.dtype), text], dim=1)
-    labels = input_ids.clone()
-    labels[:, :count] = -100
-    return input_ids, labels
 
 
 # ---- the BLIP family -------------------------------------------------------------------------------------
@@ -80,7 +61,7 @@ def _qformer_attends_to_the_vision_width(config):
     small_images(config.vision_config)
     key = "video_token_index" if config.model_type == "instructblipvideo" else "image_token_index"
     if getattr(config, key) is None:
-        setattr(config, key, _free_id(config))
+        setattr(config, key, free_ids(config)[0])
 
 
 @batch_fix("blip-2", kind="image")
@@ -88,9 +69,9 @@ def _blip2_batch(model, config, batch):
     """``Blip2Processor``'s batch: one image, ``num_query_tokens`` image tokens before the text."""
     import conformance
 
-    input_ids, labels = _with_placeholders(batch["input_ids"], config.image_token_index, config.num_query_tokens)
+    framed = before_text(batch["input_ids"], [config.image_token_index] * config.num_query_tokens)
     pixels = random_pixels(config.vision_config, conformance.BATCH)
-    return {"pixel_values": pixels, "input_ids": input_ids, "labels": labels}
+    return {"pixel_values": pixels, **framed}
 
 
 def _instructblip_batch(config, token: int, frames: int | None) -> dict:
@@ -101,13 +82,12 @@ def _instructblip_batch(config, token: int, frames: int | None) -> dict:
     text = conformance.token_sampler(config)(conformance.SEQ)
     qformer_ids = conformance.token_sampler(config.qformer_config)(conformance.SEQ // 2)
     count = config.num_query_tokens * (frames or 1)
-    input_ids, labels = _with_placeholders(text, token, count)
+    framed = before_text(text, [token] * count)
     lead = (conformance.BATCH, frames) if frames else (conformance.BATCH,)
     return {
         "pixel_values": random_pixels(config.vision_config, *lead),
         "qformer_input_ids": qformer_ids,
-        "input_ids": input_ids,
-        "labels": labels,
+        **framed,
     }
 
 
@@ -134,15 +114,10 @@ def _kosmos2_batch(model, config, batch):
     import conformance
     import torch
 
-    text, queries = batch["input_ids"], config.latent_query_num
-    boi = _free_id(config)
-    eoi = boi - 1 if boi - 1 not in conformance.special_ids(config) else boi - 2
-
-    def column(token: int, width: int = 1) -> torch.Tensor:
-        return torch.full((text.shape[0], width), token, dtype=text.dtype)
-
-    bos = config.text_config.bos_token_id
-    input_ids = torch.cat([column(bos), column(boi), column(boi, queries), column(eoi), text], dim=1)
+    queries = config.latent_query_num
+    boi, eoi = free_ids(config, 2)
+    head = [config.text_config.bos_token_id, boi, *[boi] * queries, eoi]
+    input_ids = before_text(batch["input_ids"], head)["input_ids"]
     mask = torch.zeros_like(input_ids)
     mask[:, 2 : 2 + queries] = 1
     return {
@@ -162,20 +137,15 @@ def _idefics_batch(model, config, batch):
     import conformance
     import torch
 
-    text = batch["input_ids"]
-    image = _free_id(config)
-    fake = next(i for i in range(image - 1, 0, -1) if i not in conformance.special_ids(config))
-    around = torch.tensor([fake, image, fake], dtype=text.dtype).expand(text.shape[0], -1)
-    input_ids = torch.cat([around, text], dim=1)
-    attends = torch.ones(*input_ids.shape, 1, dtype=torch.long)
+    image, fake = free_ids(config, 2)
+    framed = before_text(batch["input_ids"], [fake, image, fake])
+    attends = torch.ones(*framed["input_ids"].shape, 1, dtype=torch.long)
     attends[:, 0] = 0
-    labels = input_ids.clone()
-    labels[:, :3] = -100
     return {
         "pixel_values": random_pixels(config.vision_config, conformance.BATCH, 1),
-        "input_ids": input_ids,
+        "input_ids": framed["input_ids"],
         "image_attention_mask": attends,
-        "labels": labels,
+        "labels": framed["labels"],
     }
 
 
@@ -252,9 +222,8 @@ def _policy_batch(config, batch: dict) -> dict:
     vlm, vision = config.vlm_config, config.vlm_config.vision_config
     generator = torch.Generator().manual_seed(5)
     rows = conformance.BATCH
-    images = torch.full((rows, (vision.image_size // vision.patch_size) ** 2), vlm.image_token_id)
-    bos = torch.full((rows, 1), vlm.text_config.bos_token_id)
-    input_ids = torch.cat([images, bos, batch["input_ids"]], dim=1)
+    head = [vlm.image_token_id] * (vision.image_size // vision.patch_size) ** 2 + [vlm.text_config.bos_token_id]
+    input_ids = before_text(batch["input_ids"], head)["input_ids"]
     chunk = (rows, config.chunk_size, config.max_action_dim)
     return {
         "input_ids": input_ids,
