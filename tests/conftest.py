@@ -137,11 +137,11 @@ def compiles_whole() -> bool:
     return whole
 
 
-def offloading(net: torch.nn.Module) -> OffloadController:
-    """An ``OffloadController`` in mode ``"on"`` (1 GiB of host memory, no probe), attached to ``net``: its host
-    memory pins its buffers with no-op register, unregister and drain (no CUDA needed)."""
+def offloading(net: torch.nn.Module, engine: str = "sync") -> OffloadController:
+    """An ``OffloadController`` in mode ``"on"`` (1 GiB of host memory, no probe, ``engine``), attached to ``net``:
+    its host memory pins its buffers with no-op register, unregister and drain (no CUDA needed)."""
     host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=host)
+    controller = OffloadController(Settings(mode="on", host_memory="1GiB", engine=engine), probe=None, host=host)
     controller.attach(net)
     return controller
 

@@ -205,38 +205,20 @@ def test_a_tensor_under_a_shared_name_moves_from_the_first_step_if_it_is_one_lay
     # Before any forward has shown whether another layer receives it, the name says shared: it stays on the device
     # through the first forward and moves when that forward ends, if no other call received it. Deciding at the
     # next call would move the every-other-layer tensor (the next layer does not receive it, the one after does).
-    from autooffload.apply.host_memory import HostMemory
-
-    def run(mode):
-        net = CrossNet(own)
-        net.train()
-        controller = predicted = None
-        if mode is not None:
-            host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
-            settings = Settings(mode=mode, engine=engine, host_memory="1GiB")
-            controller = OffloadController(settings, probe=None, host=host)
-            controller.attach(net)
-            predicted = []
-            net.register_forward_pre_hook(lambda *_: predicted.append(controller.sizes.planned_layer_bytes))
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        moved, arithmetic, grads = [], [], []
-        for _ in range(2):
-            net.zero_grad()
-            net(ids).backward()
-            grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
-            if controller is not None:
-                arithmetic.append(controller.planned_bytes())
-                controller.end_step()
-                moved.append(controller.last_step_bytes)
-        return moved, arithmetic, predicted, grads
-
-    _, _, _, reference = run(None)
-    moved, arithmetic, predicted, grads = run("on")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    net = CrossNet(own)
+    net.train()
+    _, _, reference = run_steps(net, ids, skip_unused=True)  # shared: one of the states projections is read
+    net = CrossNet(own)
+    net.train()
+    controller = offloading(net, engine)
+    predicted = []
+    net.register_forward_pre_hook(lambda *_: predicted.append(controller.sizes.planned_layer_bytes))
+    moved, arithmetic, grads = run_steps(net, ids, controller, skip_unused=True)
     layers = LAYERS - 1 if engine == "stream" else LAYERS  # the stream engine keeps the last layer's inputs
     hidden = BATCH * SEQ * HIDDEN * 4
     expected = layers * 2 * hidden if own else layers * hidden
     assert moved == [expected] * 2
     assert arithmetic == [LAYERS * 2 * hidden if own else LAYERS * hidden] * 2
     assert sum(predicted[1]) == arithmetic[0]  # the second decision sizes every layer with what it really held
-    pairs = [pair for step, plain in zip(grads, reference, strict=True) for pair in zip(step, plain, strict=True)]
-    assert all(torch.equal(a, b) for a, b in pairs)
+    assert same_grads(grads, reference)
