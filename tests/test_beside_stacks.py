@@ -213,3 +213,32 @@ def test_a_tower_on_an_input_of_a_name_autooffload_does_not_know_is_named_in_a_w
     controller.end_step()
     # the text stack's three layers move their input (the patches and the tokens); the tower's stay
     assert controller.last_step_bytes == 3 * BATCH * (64 + SEQ) * BYTE_WIDTH * 4
+
+
+def test_a_stack_that_reports_before_the_first_stack_is_sized_right_at_the_next_decision():
+    """BLT's patcher runs first: before anything moved, its report set the bytes per token, then the byte encoder's
+    (the first stack) set them again; what the patcher showed must keep its bytes, not double with the new unit."""
+    levels = []
+
+    class NothingThenAll:
+        def decide(self, observation):
+            levels.append(0 if not levels else 9)
+            return levels[-1]
+
+    net = Blt()
+    net.train()
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(host_memory="1GiB"), probe=None, policy=NothingThenAll(), host=host)
+    controller.attach(net)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    tokens = BATCH * SEQ
+    byte, patch, patcher = tokens * BYTE_WIDTH * 4, tokens // PATCH * GLOBAL_WIDTH * 4, tokens * PATCHER_WIDTH * 4
+    arithmetic = []
+    for _ in range(2):
+        net.zero_grad()
+        net(ids).backward()
+        arithmetic.append(controller.planned_bytes())
+        controller.end_step()
+    assert levels == [0, 9]
+    assert controller.sizes.planned_layer_bytes == (byte, patch, patch, patch, byte, byte, patcher, patcher, patcher)
+    assert controller.last_step_bytes == round(arithmetic[-1] or 0) == 3 * byte + 3 * patch + 3 * patcher
