@@ -117,14 +117,14 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
 def _carries_tokens(modules: dict[str, torch.nn.Module], stack: Stack, owner: str, text: list[str]) -> bool:
     """Does the call of a stack's entry carry the tokens the stack runs on? Its length is read from them and what it
     holds per token learned, so an entry whose tokens go elsewhere would size it from an unrelated length. Yes where
-    the entry holds no text stack (BLT's global transformer, byte decoder and patcher take their own ``input_ids``
-    or ``inputs_embeds``), or where a module between the stack and its entry takes the decoder's tokens
-    (Diffusion-Gemma's decoder on ``decoder_input_ids``, under the model that takes them). No where the entry is
-    a module the text stack runs under too and the stack's own module takes something else (a custom VLM's vision
-    tower on ``images=``: a name autooffload does not know): its tokens are the text stack's."""
+    the stack's own module takes them or the entry holds no text stack (BLT's global transformer, byte decoder and
+    patcher take their own ``input_ids`` or ``inputs_embeds``), or where a module between the stack and its entry
+    takes the decoder's tokens (Diffusion-Gemma's decoder on ``decoder_input_ids``, under the model that takes
+    them). No where the entry is a module the text stack runs under too and the stack's own module takes something
+    else (a custom VLM's vision tower on ``images=``, a name autooffload does not know): its tokens are the text's."""
     if not takes_tokens(stack.entry):
         return False
-    if not any(_under(name, stack.entry_name) for name in text):
+    if stack.entry_name == owner or not any(_under(name, stack.entry_name) for name in text):
         return True
     name = owner
     while name != stack.entry_name and name in modules:
