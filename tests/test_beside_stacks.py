@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from conftest import offloading, run_steps, same_grads
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from autooffload import AutoOffloadWarning, OffloadController, Settings
+from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.layout import ModelLayout
 
 VOCAB, BATCH, SEQ, PATCH = 64, 2, 16, 4
@@ -138,3 +141,89 @@ def test_a_stack_whose_length_nothing_gives_is_named_in_a_warning():
     assert [stack.name for stack in layout.stacks] == ["first.layers"]
     assert [key for key, _ in layout.warnings] == ["stack-length"]
     assert "second.layers" in layout.warnings[0][1]
+
+
+class Tower(torch.nn.Module):
+    """A vision tower on ``images``, a name autooffload does not know for a raw input: 4 x 4 patches of 3 channels."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.patches = torch.nn.Linear(3 * 4 * 4, BYTE_WIDTH)
+        self.layers = torch.nn.ModuleList(Layer(BYTE_WIDTH) for _ in range(layers))
+
+    def forward(self, images):
+        rows, channels, size, _ = images.shape
+        hidden = images.reshape(rows, channels, size // 4, 4, size // 4, 4).permute(0, 2, 4, 1, 3, 5)
+        hidden = self.patches(hidden.reshape(rows, (size // 4) ** 2, channels * 16))
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden
+
+
+class CustomVlm(torch.nn.Module):
+    """A decoder-only VLM of one's own: the tower's patches before the text, one text stack; the model takes the
+    tokens and the images, the tower the images alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.vision = Tower(2)
+        self.text = Stack(BYTE_WIDTH, 3, embed=True)
+        function = functools.partial(checkpoint, use_reentrant=False)
+        for module in self.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.gradient_checkpointing, module._gradient_checkpointing_func = True, function
+
+    def get_input_embeddings(self):
+        return self.text.embed_tokens
+
+    def forward(self, input_ids, images):
+        hidden = torch.cat([self.vision(images), self.text.embed_tokens(input_ids)], dim=1)
+        return self.text(inputs_embeds=hidden).pow(2).mean()
+
+
+def test_a_tower_on_an_input_of_a_name_autooffload_does_not_know_is_named_in_a_warning_not_sized_from_the_text():
+    """Its layers hold 64 patches an image whatever the text's length: sized from the text they would be wrong for
+    every other length, so they keep plain checkpointing, and the warning says so."""
+    net = CustomVlm()
+    layout = ModelLayout.read(net)
+    assert [stack.name for stack in layout.stacks] == ["text.layers"]
+    assert [key for key, _ in layout.warnings] == ["stack-length"]
+    assert "vision.layers" in layout.warnings[0][1]
+    with pytest.warns(AutoOffloadWarning, match="vision.layers"):
+        controller = offloading(net)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    images = torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    net(ids, images).backward()
+    controller.end_step()
+    # the text stack's three layers move their input (the patches and the tokens); the tower's stay
+    assert controller.last_step_bytes == 3 * BATCH * (64 + SEQ) * BYTE_WIDTH * 4
+
+
+def test_a_stack_that_reports_before_the_first_stack_is_sized_right_at_the_next_decision():
+    """BLT's patcher runs first: before anything moved, its report set the bytes per token, then the byte encoder's
+    (the first stack) set them again; what the patcher showed must keep its bytes, not double with the new unit."""
+    levels = []
+
+    class NothingThenAll:
+        def decide(self, observation):
+            levels.append(0 if not levels else 9)
+            return levels[-1]
+
+    net = Blt()
+    net.train()
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(host_memory="1GiB"), probe=None, policy=NothingThenAll(), host=host)
+    controller.attach(net)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    tokens = BATCH * SEQ
+    byte, patch, patcher = tokens * BYTE_WIDTH * 4, tokens // PATCH * GLOBAL_WIDTH * 4, tokens * PATCHER_WIDTH * 4
+    arithmetic = []
+    for _ in range(2):
+        net.zero_grad()
+        net(ids).backward()
+        arithmetic.append(controller.planned_bytes())
+        controller.end_step()
+    assert levels == [0, 9]
+    assert controller.sizes.planned_layer_bytes == (byte, patch, patch, patch, byte, byte, patcher, patcher, patcher)
+    assert controller.last_step_bytes == round(arithmetic[-1] or 0) == 3 * byte + 3 * patch + 3 * patcher

@@ -226,3 +226,61 @@ def test_a_compiled_moonshine_that_offloads_nothing_still_learns_its_encoders_le
         torch_dynamo.reset()
     assert seen[1:] == [(frames[0], BATCH * (frames[0] + TARGET))] * 2
     assert controller.sizes.planned_layer_bytes == tuple(inputs.bytes[i] for i in range(5))
+
+
+def unlimited_ocr() -> torch.nn.Module:
+    """A tiny Unlimited-OCR: a SAM tower on the pixels, whose downsampled features are the ``patch_embeds`` of a
+    CLIP encoder (as wide as the SAM tower's last downsample), then the language model."""
+    sam = {"hidden_size": HIDDEN, "output_channels": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4}
+    sam.update(image_size=256, patch_size=16, mlp_dim=2 * HIDDEN, downsample_channels=(HIDDEN, HIDDEN))
+    clip = {"hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4}
+    text = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 2}
+    text.update(num_attention_heads=4, num_key_value_heads=4, head_dim=16, mlp_layer_types=["dense", "dense"])
+    config = transformers.UnlimitedOcrConfig(
+        vision_config={"sam_config": sam, "encoder_config": clip}, text_config=text, image_token_id=VOCAB - 1
+    )
+    config.use_cache = False
+    torch.manual_seed(0)
+    return transformers.UnlimitedOcrForConditionalGeneration(config)
+
+
+def page(images: int = BATCH) -> dict[str, torch.Tensor]:
+    """``images`` rows of one 256-pixel image each: its 4 x 4 features a row and a newline, and the view separator
+    (21 image tokens), then text."""
+    generator = torch.Generator().manual_seed(0)
+    text = torch.randint(3, VOCAB - 1, (images, TARGET), generator=generator)
+    input_ids = torch.cat([text[:, :2], torch.full((images, 4 * 5 + 1), VOCAB - 1), text[:, 2:]], dim=1)
+    pixels = torch.randn(images, 3, 256, 256, generator=generator)
+    labels = input_ids.masked_fill(input_ids == VOCAB - 1, -100)
+    return {"input_ids": input_ids, "labels": labels, "pixel_values": pixels}
+
+
+@pytest.mark.skipif(not hasattr(transformers, "UnlimitedOcrConfig"), reason="Unlimited-OCR is in transformers 5.25")
+def test_a_tower_on_what_another_tower_computes_is_sized_per_image_before_the_forward():
+    """Unlimited-OCR's CLIP encoder runs on ``patch_embeds`` the SAM tower computes from ``pixel_values``: no call
+    that decides carries them, so its layers are sized per element of the pixels, as their first call showed; the
+    decision for the next batch sizes every layer as its forward then holds, more images or fewer."""
+    net = unlimited_ocr()
+
+    class Every:
+        def decide(self, observation):
+            return 6
+
+    net.gradient_checkpointing_enable()
+    net.train()
+    controller = OffloadController(Settings(), probe=None, policy=Every())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert controller.attach(net)
+        assert [slot.target.stack for slot in controller.switch.layers] == [
+            "model.vision_tower.sam_encoder.layers"
+        ] * 2 + ["model.vision_tower.vision_encoder.encoder.layers"] * 2 + ["model.language_model.layers"] * 2
+        inputs = LayerInputs([slot.target.module for slot in controller.switch.layers])
+        for images in (BATCH, BATCH, 1):
+            step(net, controller, page(images), inputs)
+            assert controller.last_step_bytes == sum(inputs.bytes.values())
+            assert len(inputs.bytes) == 6
+    assert not [w for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    clip = [inputs.bytes[2], inputs.bytes[3]]
+    assert clip == [(1 + 4 * 4) * HIDDEN * 4] * 2  # the class token and 4 x 4 patches of one image, float32
+    assert controller.sizes.planned_layer_bytes == tuple(inputs.bytes[i] for i in range(6))

@@ -8,7 +8,8 @@ residual streams of a hyper-connection model). The config gives first guesses; t
 - each planned layer's first call in a micro-batch reports its input's real bytes (a source padded to a block
   size, ProphetNet's n-gram streams, a speech pre-net's frames): before anything moved, the first stack's report
   sets ``token_bytes`` (without a guess from the config, the first report of any stack: BLT's patcher runs
-  before its first stack); after, a report sets its stack's width;
+  before its first stack; what it showed keeps its bytes when the first stack sets the unit anew); after, a report
+  sets its stack's width;
 - at a step's end, where no layer call reported, ``token_bytes`` is measured from the bytes the engine moved;
 - a layer whose call passes no tensor positionally (its hidden states go as a keyword) frees nothing;
 - a stack sized from a raw input (:mod:`.sources`: a speech encoder on audio samples, a vision tower on pixels) has
@@ -65,6 +66,9 @@ class LayerSizes:
         self.bytes_per_layer: int | None = None
         # The running micro-batch's offloaded layers, and per layer one call's tokens (a first call corrects them).
         self.running: tuple[frozenset[int], list[float]] | None = None
+        # The layers whose first call in the running micro-batch reported, and the stacks whose width a report set.
+        self.called: set[int] = set()
+        self.widened: set[str] = set()
         self.step_layer_tokens = 0.0  # the step's offloaded layer-tokens, as their calls counted them
         self.reported = False  # an offloaded layer's call said its input's bytes in this step
 
@@ -148,6 +152,7 @@ class LayerSizes:
     def start(self, offloaded: frozenset[int], sized: Sized) -> None:
         """The micro-batch runs with the layers at ``offloaded`` on offload."""
         self.running = (offloaded, list(sized.per_call))
+        self.called, self.widened = set(), set()
 
     def first_call(self, position: int, nbytes: int, moved_any: bool, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in the micro-batch saves an input of ``nbytes`` (0: none it can move), of
@@ -158,6 +163,7 @@ class LayerSizes:
         else:
             self.inputless.discard(position)
         stack = self.layer_stacks[position]
+        self.called.add(position)
         if stack in self.measured:
             self._learn_source(position, stack, nbytes, shape)
         else:
@@ -166,14 +172,30 @@ class LayerSizes:
                 first = next((s for s in self.layer_stacks if s not in self.measured), None)
                 first_report = not moved_any and stack == first and position == self.first_layer.get(stack)
                 if first_report or not self.token_bytes:  # without a guess, the first report of any stack
-                    self.token_bytes = nbytes / (tokens * self.widths.get(stack, 1.0))
+                    self._set_unit(nbytes / (tokens * self.widths.get(stack, 1.0)))
                 else:
                     self.widths[stack] = nbytes / (tokens * self.token_bytes)
+                    self.widened.add(stack)
                 if self.token_bytes:  # a layer may hold more than its stack's width (a second activation)
                     self.layer_widths[position] = nbytes / (tokens * self.token_bytes)
         if self.running is not None and self.token_bytes:
             self.running[1][position] = nbytes / self.token_bytes
             self.reported |= position in self.running[0]
+
+    def _set_unit(self, token_bytes: float) -> None:
+        """The first stack's report sets ``token_bytes`` anew: what this micro-batch's earlier reports measured in the
+        old unit (the config's guess, or, without one, the first reporting stack's) keeps its bytes. BLT's patcher
+        reports before the byte encoder: it was sized at twice its input at the next decision. The config's widths,
+        the decision's estimates and what earlier micro-batches measured against the first stack stay."""
+        old, self.token_bytes = self.token_bytes, token_bytes
+        if not old or old == token_bytes:
+            return
+        scale = old / token_bytes
+        self.widths.update({stack: self.widths[stack] * scale for stack in self.widened})
+        self.layer_widths.update({p: self.layer_widths[p] * scale for p in self.called if p in self.layer_widths})
+        if self.running is not None:
+            for position in self.called:
+                self.running[1][position] *= scale
 
     def _learn_source(self, position: int, stack: str, nbytes: int, shape: tuple[int, int] | None) -> None:
         elements = self.batch.sources.get(stack, 0) if self.batch is not None else 0

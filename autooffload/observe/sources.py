@@ -9,7 +9,9 @@ audio tower on ``input_features``. Such a stack is planned from its *source*: th
 carries, by one of the names listed here. How many elements the source has is read per micro-batch; what each of
 the stack's layers saves per element of it, and the stack's length per element, are learned from that layer's
 first call (:mod:`.sizes`), the way every layer's bytes already are. Until a layer has run once, it is sized at 0:
-mode ``on`` needs no size, and a partial level offloads first what is known to free most.
+mode ``on`` needs no size, and a partial level offloads first what is known to free most. A stack on what the model
+computes from another tower (Unlimited-OCR's CLIP encoder on the ``patch_embeds`` its SAM tower makes) is sized per
+element of the raw input of its modality that the model takes: no deciding call carries what it runs on.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ RAW_PARAMETERS = (
     "audio_values",
 )
 TOKEN_IDS = ("input_ids", "inputs_embeds")
+# What each raw input is, by the modality names of transformers' ``input_modalities``.
+MODALITIES = {
+    "pixel_values": "image",
+    "flattened_patches": "image",
+    "pixel_values_videos": "video",
+    "input_values": "audio",
+    "input_features": "audio",
+    "input_audio_embeds": "audio",
+    "audio_input_features": "audio",
+    "audio_values": "audio",
+}
 
 
 def raw_source(modules: dict[str, torch.nn.Module], owner: str) -> tuple[str, tuple[str, ...]] | None:
@@ -38,7 +51,8 @@ def raw_source(modules: dict[str, torch.nn.Module], owner: str) -> tuple[str, tu
     above the owner takes one. The entry is the nearest module at or above the owner whose ``forward`` takes a raw
     input (:data:`RAW_PARAMETERS`, or the ``main_input_name`` of a module on the way up); the source names are those
     it takes, then the ``main_input_name`` of the modules above it (a speech encoder-decoder's call names the audio
-    ``inputs``). Only these: another raw input a model above takes may feed another stack (phi4's audio and
+    ``inputs``), then, for an input the model computes, the raw input it is computed from (:func:`_computed_from`).
+    Only these: another raw input a model above takes may feed another stack (phi4's audio and
     image inputs reach one embedding module)."""
     chain = []
     name = owner
@@ -58,8 +72,28 @@ def raw_source(modules: dict[str, torch.nn.Module], owner: str) -> tuple[str, tu
         taken = [source for source in candidates if source in _parameters(modules[name])]
         if taken:
             above = [main for entry in chain[index:] for main in _main(modules[entry]) if main not in taken]
-            return name, tuple(dict.fromkeys(taken + above))
+            return name, tuple(dict.fromkeys(taken + above + _computed_from(modules, chain[index:], taken)))
     return None
+
+
+def _computed_from(modules: dict[str, torch.nn.Module], chain: list[str], taken: list[str]) -> list[str]:
+    """For an entry (``chain[0]``, then its ancestors) whose input ``taken`` no ancestor takes: the model computes
+    that input (Unlimited-OCR's CLIP encoder runs on ``patch_embeds`` its SAM tower makes from ``pixel_values``), so
+    no deciding call above the entry carries it, and the stack is sized per element of the raw input it is computed
+    from: that of the entry's own modality (``input_modalities``: image, video, audio) the nearest ancestor takes.
+    Empty where an ancestor takes ``taken`` (a vision tower on the model's own ``pixel_values``), where the entry
+    declares no modality, and for a raw input of another modality (phi4's image tower, under a module that takes
+    only the audio by a name known here): that input feeds another stack."""
+    entry, above = modules[chain[0]], [_parameters(modules[name]) for name in chain[1:]]
+    if any(source in names for names in above for source in taken):
+        return []
+    declared = getattr(entry, "input_modalities", ())
+    modalities = {declared} if isinstance(declared, str) else set(declared)
+    for names in above:
+        found = [source for source in RAW_PARAMETERS if source in names]
+        if found:
+            return [source for source in found if MODALITIES.get(source) in modalities]
+    return []
 
 
 def _main(module: torch.nn.Module) -> list[str]:

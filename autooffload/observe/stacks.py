@@ -9,7 +9,8 @@ speech encoder on audio samples: :mod:`.sources`) is planned too, sized from tha
 stack beside the text stack that runs on what the model computes from its tokens (BLT's global transformer on
 patches, its byte decoder and its entropy patcher) is planned too, read from the deciding call's tokens: what its
 layers hold per token (their length relative to the tokens, their width) is learned from their first call
-(:mod:`.sizes`). A stack whose length none of these gives keeps plain checkpointing, with a warning.
+(:mod:`.sizes`); only where its entry's call carries the tokens it runs on (:func:`_carries_tokens`). A stack whose
+length none of these gives keeps plain checkpointing, with a warning.
 
 Each planned stack has an *entry*: the nearest module at or above the stack's owner whose ``forward`` takes the
 tokens (``input_ids``, ``inputs_embeds`` or ``input_features``). The controller decides at the first entry a
@@ -30,6 +31,7 @@ from .sources import raw_source
 
 TOKEN_PARAMETERS = ("input_ids", "inputs_embeds", "input_features")
 DECODER_PARAMETERS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
+DECODER_TOKENS = DECODER_PARAMETERS[:2]
 
 
 @dataclasses.dataclass
@@ -107,8 +109,29 @@ def plan_stacks(model: torch.nn.Module, targets: list[Any]) -> tuple[list[Stack]
     planned = text + _towers(modules, sizes, owners, text)
     taken = {stack.name for stack in planned}
     beside = [_stack(model, modules, name, "text", owners[name]) for name in sizes if name not in taken]
-    read = [stack for stack in beside if takes_tokens(stack.entry)]
-    return planned + read, _unplanned(model, [stack.name for stack in beside if not takes_tokens(stack.entry)])
+    read = [stack for stack in beside if _carries_tokens(modules, stack, owners[stack.name], found)]
+    names_read = {stack.name for stack in read}
+    return planned + read, _unplanned(model, [stack.name for stack in beside if stack.name not in names_read])
+
+
+def _carries_tokens(modules: dict[str, torch.nn.Module], stack: Stack, owner: str, text: list[str]) -> bool:
+    """Does the call of a stack's entry carry the tokens the stack runs on? Its length is read from them and what it
+    holds per token learned, so an entry whose tokens go elsewhere would size it from an unrelated length. Yes where
+    the stack's own module takes them or the entry holds no text stack (BLT's global transformer, byte decoder and
+    patcher take their own ``input_ids`` or ``inputs_embeds``), or where a module between the stack and its entry
+    takes the decoder's tokens (Diffusion-Gemma's decoder on ``decoder_input_ids``, under the model that takes
+    them). No where the entry is a module the text stack runs under too and the stack's own module takes something
+    else (a custom VLM's vision tower on ``images=``, a name autooffload does not know): its tokens are the text's."""
+    if not takes_tokens(stack.entry):
+        return False
+    if stack.entry_name == owner or not any(_under(name, stack.entry_name) for name in text):
+        return True
+    name = owner
+    while name != stack.entry_name and name in modules:
+        if any(parameter in DECODER_TOKENS for parameter in _parameters(modules[name])):
+            return True
+        name = name.rpartition(".")[0]
+    return False
 
 
 def _unplanned(model: torch.nn.Module, names: list[str]) -> tuple[str, str] | None:
