@@ -222,3 +222,37 @@ def test_a_tensor_under_a_shared_name_moves_from_the_first_step_if_it_is_one_lay
     assert arithmetic == [LAYERS * 2 * hidden if own else LAYERS * hidden] * 2
     assert sum(predicted[1]) == arithmetic[0]  # the second decision sizes every layer with what it really held
     assert same_grads(grads, reference)
+
+
+class FirstLayerOwnsItsStates(CrossNet):
+    """The first layer reads states of its own, the others one tensor they share, all under the same shared name."""
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        shared = self.states[1](hidden)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, self.states[0](hidden.detach() * 2) if index == 0 else shared)
+        return hidden.pow(2).mean()
+
+
+def test_a_first_step_that_moves_nothing_still_sizes_each_layer_with_what_it_holds():
+    # The first layer's deferred states are known its own only when the forward ends; reported then, they widen that
+    # layer alone, not the unit every other layer was measured in (which sized them all at twice their bytes).
+    class NothingThenAll:
+        def decide(self, observation):
+            return 0 if not predicted else LAYERS
+
+    from autooffload.apply.host_memory import HostMemory
+
+    net = FirstLayerOwnsItsStates(True)
+    net.train()
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    controller = OffloadController(Settings(host_memory="1GiB"), probe=None, policy=NothingThenAll(), host=host)
+    controller.attach(net)
+    predicted = []
+    net.register_forward_pre_hook(lambda *_: predicted.append(controller.sizes.planned_layer_bytes))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    moved, _, _ = run_steps(net, ids, controller, skip_unused=True)
+    hidden = BATCH * SEQ * HIDDEN * 4
+    assert predicted[1] == (2 * hidden, hidden, hidden)
+    assert moved == [0, 4 * hidden]

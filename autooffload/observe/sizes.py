@@ -157,18 +157,21 @@ class LayerSizes:
     def first_call(self, position: int, nbytes: int, moved_any: bool, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in the micro-batch saves an input of ``nbytes`` (0: none it can move), of
         ``shape`` (its sequence length and tokens). ``moved_any``: bytes were moved before in this run (else
-        ``token_bytes`` is still the config's guess)."""
+        ``token_bytes`` is still the config's guess). A second report in the micro-batch (a tensor the layer deferred
+        turned out its own when the forward ended) sets that layer's width only: the unit and its stack's stay."""
         if nbytes == 0:
             self.inputless.add(position)
         else:
             self.inputless.discard(position)
         stack = self.layer_stacks[position]
-        self.called.add(position)
+        again, self.called = position in self.called, self.called | {position}
         if stack in self.measured:
             self._learn_source(position, stack, nbytes, shape)
         else:
             tokens = self.batch.lengths.get(stack, (0, 0))[1] if self.batch is not None else 0
-            if tokens > 0 and nbytes > 0:
+            if again and tokens > 0 and self.token_bytes:  # more of the layer's own, known at the forward's end
+                self.layer_widths[position] = nbytes / (tokens * self.token_bytes)
+            elif tokens > 0 and nbytes > 0:
                 first = next((s for s in self.layer_stacks if s not in self.measured), None)
                 first_report = not moved_any and stack == first and position == self.first_layer.get(stack)
                 if first_report or not self.token_bytes:  # without a guess, the first report of any stack
