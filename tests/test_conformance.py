@@ -85,6 +85,8 @@ QUIRKS_SUBSET = [
     ("blip-2", "image-text"),
     ("marian", "seq2seq"),
     ("canary", "speech"),
+    ("granite4_vision", "image-text"),  # one-layer Q-Formers, each with cross-attention states of its own
+    ("evolla", "image-text"),  # built from its mapping's class, a protein beside the text
 ]
 MEDIA_SUBSET = [("qwen2_vl", "image-text", "image"), ("gemma3", "image-text", "image"), ("voxtral", "seq2seq", "audio")]
 
