@@ -180,10 +180,10 @@ class OffloadController(Run):
         return True
 
     @guarded("the post-forward hook")
-    def _leave(self) -> None:
+    def _leave(self, raised: bool = False) -> None:
         """The call ``_enter`` took ended: what its layer calls deferred moves if it was theirs alone."""
         if self.switch is not None:
-            self.switch.end_forward()
+            self.switch.end_forward(raised)
 
     def before_forward(
         self, seq_len: int, tokens: int, lengths: dict[str, tuple[int, int]] | None = None, sources: Any = None

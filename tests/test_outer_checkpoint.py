@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import offloading, run_steps, same_grads
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
-
-from autooffload import OffloadController, Settings
 
 LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 3, 32, 64, 2, 16
 
@@ -54,19 +53,17 @@ class Net(torch.nn.Module):
 @pytest.mark.parametrize("engine", ["sync", "stream"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_layers_inside_an_outer_checkpoint_train_as_plain_checkpointing(reentrant, engine):
-    def grads(mode):
-        net = Net(reentrant)
-        net.train()
-        if mode is not None:
-            OffloadController(Settings(mode=mode, engine=engine), probe=None).attach(net)
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        steps = []
-        for _ in range(2):
-            net.zero_grad()
-            net(ids).backward()
-            steps.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
-        return steps
-
-    reference, offloaded = grads(None), grads("on")
-    pairs = [pair for a, b in zip(offloaded, reference, strict=True) for pair in zip(a, b, strict=True)]
-    assert pairs and all(torch.equal(a, b) for a, b in pairs)
+    # Bytes too: the outer recompute's calls are no new calls (counted, each layer would be planned at twice its
+    # input) and move nothing more (their copies would never come back).
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    _, _, reference = run_steps(Net(reentrant).train(), ids)
+    net = Net(reentrant).train()
+    moved, arithmetic, grads = run_steps(net, ids, offloading(net, engine))
+    layer_input = BATCH * SEQ * HIDDEN * 4  # the hidden states, and as much of states each layer owns
+    layers = LAYERS - 1 if engine == "stream" else LAYERS  # the stream engine keeps the last layer's inputs
+    # A reentrant outer checkpoint runs its forward without grad: the layers save, and move, only in its backward's
+    # recompute, where no forward's end follows to settle the states, so they move from the second step on.
+    first = 1 if reentrant else 2
+    assert moved == [first * layers * layer_input, 2 * layers * layer_input]
+    assert arithmetic == [first * LAYERS * layer_input, 2 * LAYERS * layer_input]
+    assert same_grads(grads, reference)

@@ -80,6 +80,8 @@ class ForwardState:
         def counted(args: tuple) -> LayerCall:
             if not torch.is_grad_enabled():
                 return LayerCall()
+            if self.counts[position] and torch._C._current_graph_task_id() != -1:
+                return LayerCall()  # an outer checkpoint's recompute: the forward counted and moved this call
             # Deferred only where a forward's end will settle it: not in a forward the hooks did not see begin (a
             # loop over the layers), nor in a recompute's nested call in the backward.
             call = self.inputs.of(position, args, defer=self.open and torch._C._current_graph_task_id() == -1)
@@ -92,6 +94,12 @@ class ForwardState:
             return call
 
         return counted
+
+    def abandon(self) -> list[torch.Tensor]:
+        """The forward raised: nothing it deferred moves, and what its calls showed is forgotten, not learned."""
+        self._first_deferred, self.open = {}, False
+        self.inputs.forget()
+        return []
 
     @torch.compiler.disable
     def settle(self) -> list[torch.Tensor]:

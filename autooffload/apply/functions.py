@@ -40,6 +40,10 @@ def _packing(stats: OffloadStats, position: int) -> None:
     stats.layer = position
 
 
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def eager_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``'s own frame runs eagerly under torch.compile, what it calls is compiled: without it dynamo
     traces into the function up to the saved-tensor hooks and resumes after them in fragments, and guards on the
@@ -64,12 +68,16 @@ def offload_function(
 ) -> Callable[..., Any]:
     counted = forward.counter(position)
 
-    # Under the engine's hooks even when nothing of the call moves (its input moved already, or it passes none
-    # positionally): an outer checkpoint's recompute runs this call again, where what moved in the forward may
-    # differ, and it must see the same saves as its forward did (the hooks take them all, moving or not).
+    # Under saved-tensor hooks even when nothing of the call moves (its input moved already, it passes none
+    # positionally, or it is an outer checkpoint's recompute): that recompute runs this call again, where what
+    # moves may differ from its forward, and it must see the same saves as its forward did, none. Hooks that keep
+    # every tensor as it is then, so that the engine opens no region that would break its prefetch chain.
     def checkpoint_offload(function, *args, **call_kwargs):
         call = counted(args)
         inputs = forward.claim(call.moving)
+        if not inputs and not call.deferred:
+            with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                return checkpoint(function, *args, **kwargs, **call_kwargs)
         _packing(stats, position)
         with engine.hooks(last, inputs, call.deferred):
             return checkpoint(function, *args, **kwargs, **call_kwargs)

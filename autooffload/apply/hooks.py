@@ -33,7 +33,7 @@ class ForwardHooks:
     (``enter`` returns False). ``on_backward``: called once per backward that reaches the model's last trainable
     parameter; ``entered``: called before ``enter`` for a call in train mode under grad (a training micro-batch),
     and must not raise (a call passed by and the entry inside it both call it: it marks the agreement due);
-    ``leave``: called when the call that ``enter`` took ends (its forward ran, or raised).
+    ``leave(raised)``: called when the call that ``enter`` took ends (its forward ran, or raised).
     :meth:`follow` watches the entries of a layout read again (a trainer that reinstalled checkpointing may plan
     other stacks)."""
 
@@ -44,7 +44,7 @@ class ForwardHooks:
         enter: Enter,
         on_backward: Callable[[], None] | None = None,
         entered: Callable[[], None] | None = None,
-        leave: Callable[[], None] | None = None,
+        leave: Callable[[bool], None] | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
         self.model = model
@@ -88,7 +88,7 @@ class ForwardHooks:
             if self.active is entered:
                 self.active = None
                 if self._leave is not None:
-                    self._leave()
+                    self._leave(output is None)  # torch hands an always-call hook no output when forward raised
 
         return [
             module.register_forward_pre_hook(before, with_kwargs=True),

@@ -65,6 +65,10 @@ class LayerInputs:
                     self.own[position][place] = len(places) == 1
         self._seen, self._deferred = {}, []
 
+    def forget(self) -> None:
+        """This forward's notes are dropped unlearned (it raised part way)."""
+        self._seen, self._deferred = {}, []
+
     def settle(self) -> list[torch.Tensor]:
         """The forward ends: of its deferred tensors, those no other call received (they move now)."""
         deferred, self._deferred = self._deferred, []

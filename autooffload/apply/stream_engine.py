@@ -43,9 +43,8 @@ and registered buffers of the controlled modules, recognised by their storage (t
 offloading would free nothing), tensor subclasses and non-strided tensors.
 :class:`~autooffload.apply.offload.OffloadStats` counts the bytes actually copied to the host: with every
 layer offloading, that is one layer's input less than the ``sync`` engine counts. When only the first k
-layers offload, layer k-1's input is copied but held on the device until the backward or the next forward
-begins (no later layer call lets go of it). Either way, at the end of the forward the stream engine holds
-one layer input more on the device than ``sync``.
+layers offload, layer k-1's input is copied but held on the device until the forward ends (no later layer call
+lets go of it); the controller's post-forward hook lets go of it then (:meth:`StreamEngine.settle`).
 
 Host memory is a third budget (:class:`HostPool` over :class:`~autooffload.apply.host_memory.HostMemory`):
 buffers of the size asked, reused across steps, under the node's budget, released when unused; if pinning
@@ -221,11 +220,10 @@ class StreamEngine:
 
     def settle(self, own: Sequence[torch.Tensor]) -> None:
         """The forward ended: the deferred tensors of ``own``'s storages start their copies to the host (each
-        joins its layer's region, so the backward prefetches it with the rest), the others stay. Where any moved,
-        the device tensors are let go of once the compute stream waits on the copies, as at a region's close (the
-        forward's last held input with them); that is a first forward's cost only, a later one defers nothing."""
+        joins its layer's region, so the backward prefetches it with the rest), the others stay. The device
+        tensors copied are let go of once the compute stream waits on their copies, as at a region's close, and so
+        is the input the forward's last offloading layer still held: before the loss's backward, often the peak."""
         keys, pending, self.pending = storage_keys(own), self.pending, []
-        started = False
         for key, ref, layer in pending:
             packed = ref() if key in keys else None
             if packed is None or packed.tensor is None or packed.region.unpacked:
@@ -234,9 +232,7 @@ class StreamEngine:
             moved = self._move(packed.tensor, packed.region)
             if moved is not None:
                 (packed.copy, packed.layout), packed.tensor = moved, None
-                started = True
-        if started:
-            self._retire(before=self._serial + 1)
+        self._retire(before=self._serial + 1)
 
     def _find_held(self) -> None:
         """Where the parameters and buffers live now (a cast or move after attach puts them elsewhere)."""

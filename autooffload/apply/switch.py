@@ -272,9 +272,11 @@ class CheckpointSwitch:
             self._restart(calls)
         self.forward.new_forward()
 
-    def end_forward(self) -> None:
-        """A forward of the attached model ended: what its layer calls deferred moves if it was theirs alone."""
-        own = self.forward.settle()
+    def end_forward(self, raised: bool = False) -> None:
+        """A forward of the attached model ended: what its layer calls deferred moves if it was theirs alone. One
+        that ``raised`` moves nothing and teaches nothing: its calls stopped part way (an out-of-memory error the
+        rescue reruns), so a tensor the layers after would have received looks like one layer's own."""
+        own = self.forward.abandon() if raised else self.forward.settle()
         self.engine.settle(own)
 
     def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
@@ -320,10 +322,12 @@ class CheckpointSwitch:
         counts; without targets, it watches the attributes this one controlled."""
         self.close()
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
-        return CheckpointSwitch(
+        switch = CheckpointSwitch(
             targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured,
             self.frames,
         )  # fmt: skip
+        switch.forward.open = self.forward.open  # rebuilt as a forward begins: its end settles what it defers
+        return switch
 
     def checkpointing_off(self) -> bool:
         """Every target has checkpointing turned off (a reference forward between a trainer's disable and enable)."""
