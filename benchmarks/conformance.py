@@ -837,7 +837,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             row.update(verdict="skipped", reason="the model does not support gradient checkpointing")
             return _finish(row, start)
         try:
-            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+            quirks.enable_checkpointing(model_type, model)
             batch = make_batch(model, config, mapping)
             state = copy.deepcopy(model.state_dict())
             kind, fixed = quirks.fix_batch(model_type, mapping, model, config, batch)

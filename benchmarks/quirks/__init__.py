@@ -13,6 +13,26 @@ autooffload sees of a model that runs without it.
 from __future__ import annotations
 
 from . import speech, text, vision, vision_batches, vision_inputs, vision_patches  # noqa: F401  (each registers its types)
-from .registry import base_config, base_kwargs, batch_fix, config_fix, fix_batch, fix_config, registered
+from .registry import (
+    base_config,
+    base_kwargs,
+    batch_fix,
+    checkpointing_fix,
+    config_fix,
+    enable_checkpointing,
+    fix_batch,
+    fix_config,
+    registered,
+)
 
-__all__ = ["base_config", "base_kwargs", "batch_fix", "config_fix", "fix_batch", "fix_config", "registered"]
+__all__ = [
+    "base_config",
+    "base_kwargs",
+    "batch_fix",
+    "checkpointing_fix",
+    "config_fix",
+    "enable_checkpointing",
+    "fix_batch",
+    "fix_config",
+    "registered",
+]

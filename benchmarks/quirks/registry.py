@@ -11,6 +11,7 @@ BatchFix = Callable[[Any, Any, dict], dict]
 _BASE: dict[str, dict[str, Any]] = {}
 _CONFIG: dict[tuple[str, str | None], ConfigFix] = {}
 _BATCH: dict[tuple[str, str | None], tuple[str, BatchFix]] = {}
+_CHECKPOINTING: dict[str, Callable[[Any], None]] = {}
 
 
 def base_config(model_type: str, **kwargs: Any) -> None:
@@ -66,6 +67,28 @@ def fix_batch(model_type: str, mapping: str, model: Any, config: Any, batch: dic
     return kind, fix(model, config, batch)
 
 
+def checkpointing_fix(*types: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    """Register ``enable(model)``: how each of ``types`` is checkpointed for training, where turning it on for the
+    whole model breaks transformers' own forward (said in the fix's docstring)."""
+
+    def register(fix: Callable[[Any], None]) -> Callable[[Any], None]:
+        for model_type in types:
+            _CHECKPOINTING[model_type] = fix
+        return fix
+
+    return register
+
+
+def enable_checkpointing(model_type: str, model: Any) -> None:
+    """Turn checkpointing on as ``model_type`` trains with it: its registered fix, else the whole model
+    (``activation_checkpointing_enable()`` where the release has it, ``gradient_checkpointing_enable()`` before)."""
+    fix = _CHECKPOINTING.get(model_type)
+    if fix is not None:
+        fix(model)
+    else:
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+
+
 def registered() -> set[tuple[str, str | None]]:
     """Every (type, mapping) with a fix: the sweep's rows that need one."""
-    return {(t, None) for t in _BASE} | set(_CONFIG) | set(_BATCH)
+    return {(t, None) for t in _BASE} | set(_CONFIG) | set(_BATCH) | {(t, None) for t in _CHECKPOINTING}

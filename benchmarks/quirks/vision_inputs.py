@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .registry import batch_fix, config_fix
+from .registry import batch_fix, checkpointing_fix, config_fix
 from .tokens import before_text, free_ids
 
 PATCHES_PER_SIDE = 16  # the largest vision tower the sweep builds: 16 x 16 patches
@@ -242,6 +242,14 @@ def _paligemma_projects_to_the_text_width(config):
     released Gemma-2B's ``hidden_size``, left unshrunk)."""
     vlm = config.vlm_config
     vlm.projection_dim = vlm.vision_config.projection_dim = vlm.text_config.hidden_size
+
+
+@checkpointing_fix("pi0", "pi05")
+def _checkpoint_the_vision_tower(model):
+    """PI0's action expert reads the prompt only through the cache the VLM fills (``use_cache=True``), which
+    checkpointing the VLM turns off (the forward then fails on a missing cache), and checkpointing the expert fails
+    too: its recompute meets a cache its forward grew. What checkpoints and trains is the SigLIP vision tower."""
+    model.model.vlm.vision_tower.gradient_checkpointing_enable()
 
 
 @batch_fix("pi0", kind="image+robot")
