@@ -134,7 +134,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         host: HostMemory,
         layer_input: LayerInput = None,
         deferred: Sequence[torch.Tensor] = (),
-        defer: Callable[[tuple, _Saved], None] | None = None,
+        defer: Callable[[tuple | None, _Saved], None] | None = None,
     ) -> None:
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
@@ -169,14 +169,14 @@ class SyncEngine:
         self.stats = stats
         self.host = host if host is not None else HostMemory()
         # This forward's deferred saves, weakly (one autograd let go of has nothing left to move), with their layer.
-        self.pending: list[tuple[tuple, weakref.ref, int | None]] = []
+        self.pending: list[tuple[tuple | None, weakref.ref, int | None]] = []
 
     def hooks(
         self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
     ) -> HostOffloadHooks:
         return HostOffloadHooks(self.stats, self.host, layer_input, deferred, self._defer)
 
-    def _defer(self, key: tuple, saved: _Saved) -> None:
+    def _defer(self, key: tuple | None, saved: _Saved) -> None:
         # Through the engine, not a list the hooks hold: autograd keeps a pack hook while its saves live, and a list
         # it held would keep every other layer's deferred saves alive with it.
         self.pending.append((key, weakref.ref(saved), self.stats.layer))
