@@ -51,8 +51,8 @@ class OffloadController(Run):
     ``probe``: a :class:`~autooffload.observe.probe.MemoryProbe`, ``"auto"`` (NVML on the model's CUDA device) or
     ``None`` (no memory signal). ``policy``: a policy's name (the ``policy`` setting) or any object with
     ``decide(Observation) -> int`` (default: the one ``settings.policy`` names; an object given here is the
-    caller's: :meth:`reset` does not reset it). ``host``: the host memory manager both engines take buffers from
-    (default: one whose budget is set at attach from ``settings.host_memory`` and ``LOCAL_WORLD_SIZE``).
+    caller's: :meth:`reset` does not reset it). ``host``: the engines' host memory manager (default: one budgeted
+    at attach from ``settings.host_memory``, released at detach; one passed in keeps its buffers across detach).
     """
 
     layout: ModelLayout | None = None  # what was read of the attached model

@@ -93,6 +93,7 @@ class Run:
         self.failed = False  # autooffload.guard gave up: plain checkpointing until the run ends
         # A probe that stands for a device in the CPU's memory (SimulatedDevice) needs offloaded inputs moved out of it.
         self.host = host if host is not None else HostMemory(copy_cpu=bool(getattr(probe, "separate_host", False)))
+        self._owns_host = host is None  # a manager passed in is the caller's: detach leaves its buffers to it
         self.sizes = LayerSizes()
         self.memory = MemoryMonitor(probe, self.warn)
         self.agreement = RankAgreement(settings, self.warn)
@@ -165,13 +166,16 @@ class Run:
         self.memory.note_side_work()
 
     def _release(self) -> None:
-        """The model is detached: nothing of it stays (its identity, its probe's hold on it, the host buffers)."""
+        """The model is detached: nothing of it stays (its identity, its probe's hold on it, the host buffers of a
+        manager the run made; one passed in keeps its buffers for its owner's next attach, and is released by its
+        owner or when it goes)."""
         self._attached_identity = None
         self.fallback.let_go()
         self.memory.detach()
         self.sizes.detach()
         self.planner.detach()
-        self.host.release_all()
+        if self._owns_host:
+            self.host.release_all()
 
     def _restore(self, state: dict[str, Any]) -> None:
         for part in (self.record, self.memory, self.sizes, self.planner):

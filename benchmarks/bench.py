@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autooffload
 from autooffload import OffloadController, OffloadStats, Settings
+from autooffload.apply.host_memory import HostMemory
 
 MODES = ("checkpointing", "always", "on", "auto")
 MIB = 2**20
@@ -188,9 +189,11 @@ def install_save_on_cpu(model: torch.nn.Module, device: str, stats: OffloadStats
 class Mode:
     """One mode, installed on the model before each of its steps and taken off after, so that modes can be
     interleaved step by step (a fair comparison on a machine whose load drifts). An autooffload controller
-    lives as long as the mode does: re-attaching keeps its policy state, as in one continuous run."""
+    lives as long as the mode does: re-attaching keeps its policy state, as in one continuous run, and so does its
+    host memory (``host``, shared with a warm-up's mode where given): the buffers pinned in one step serve the
+    next, as torch's pinned allocator keeps ``always``'s."""
 
-    def __init__(self, name: str, model: torch.nn.Module, plan: Plan) -> None:
+    def __init__(self, name: str, model: torch.nn.Module, plan: Plan, host: HostMemory | None = None) -> None:
         self.name, self.model, self.device = name, model, plan.device
         self.native = name == "always" and plan.device != "cpu" and has_native_offload(model)
         self.stats: OffloadStats | None = None
@@ -204,7 +207,8 @@ class Mode:
             self.label = f"always: save_on_cpu(pin_memory={plan.device != 'cpu'}) wrap"
         else:
             settings = Settings(mode=name, **(plan.auto if name == "auto" else {}))
-            self.controller = OffloadController(settings, probe="auto" if plan.device == "cuda" else None)
+            probe = "auto" if plan.device == "cuda" else None
+            self.controller = OffloadController(settings, probe=probe, host=host or HostMemory())
             self.label = f"autooffload {name}"
 
     def activate(self) -> None:
@@ -364,20 +368,24 @@ def measure_mixed(model: torch.nn.Module, plan: Plan, clock: Clock) -> dict[str,
     controller), so the policy starts clean."""
     lengths = plan.mixed_lengths
     short, long = min(lengths), max(lengths)
+    hosts = {name: HostMemory() for name in MODES}
     warm = {}
     for name in MODES:
-        warm[name] = [run_step(Mode(name, model, plan), token_ids(plan, seq, seed=seq)) for seq in (short, long)]
+        warming = Mode(name, model, plan, hosts[name])
+        warm[name] = [run_step(warming, token_ids(plan, seq, seed=seq)) for seq in (short, long)]
         if name == MODES[0]:
             n_long = sum(seq == long for seq in lengths)
             per_pass = warm[name][0].seconds * (len(lengths) - n_long + 1) + warm[name][1].seconds * (n_long + 1)
             clock.check("mixed-length run", per_pass * len(MODES) * 1.2)
-    modes = [Mode(name, model, plan) for name in MODES]
+    modes = [Mode(name, model, plan, hosts[name]) for name in MODES]
     per_mode: dict[str, list[Step]] = {mode.name: [] for mode in modes}
     for i, seq in enumerate(lengths):
         ids = token_ids(plan, seq, seed=1000 + i)
         for j in range(len(modes)):
             mode = modes[(i + j) % len(modes)]
             per_mode[mode.name].append(run_step(mode, ids))
+    for host in hosts.values():
+        host.release_all()
     cuda = plan.device == "cuda"
     metric = "resident" if cuda else "packed"
     summary = {}

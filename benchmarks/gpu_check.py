@@ -301,10 +301,12 @@ def part_probe(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
         verdicts["probe_sees_refill"] = (
             by["refilled half"]["probe_step_peak"] >= by["cache emptied"]["probe_step_peak"] + size / 4
         )
-        verdicts["mem_get_info_matches_nvml_within_1pct"] = all(
-            abs(p["mem_get_info_used"] - p["nvml_used"]) <= 0.01 * max(p["nvml_used"], 1) for p in phases
-        )
-    return {"bytes_filled": size, "phases": phases, "verdicts": verdicts}
+    offsets = [p["nvml_used"] - p["mem_get_info_used"] for p in phases if "nvml_used" in p and "mem_get_info_used" in p]
+    if offsets:
+        # NVML's "used" counts memory the driver holds that cudaMemGetInfo leaves out (0.6 GiB on the first H200
+        # run): a constant offset, which the policy's fractions absorb; what matters is that both move together.
+        verdicts["mem_get_info_tracks_nvml_within_1pct_of_fill"] = max(offsets) - min(offsets) <= 0.01 * size
+    return {"bytes_filled": size, "phases": phases, "nvml_minus_mem_get_info": offsets, "verdicts": verdicts}
 
 
 # ---- 6. the distributed smoke test, one GPU ---------------------------------------------------------------

@@ -10,12 +10,19 @@ import warnings
 
 import pytest
 import torch
-from conftest import HIDDEN, LAYERS, expected_bytes, train
+from conftest import HIDDEN, LAYERS, expected_bytes, model, random_ids, train
 from transformers import TrainerCallback
 
-from autooffload import AutoOffloadCallback, AutoOffloadWarning, Settings, SettingsError
+from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings, SettingsError
 from autooffload.apply import host_memory
-from autooffload.apply.host_memory import PAGE, HostMemory, node_budget, page_round, ranks_per_node
+from autooffload.apply.host_memory import (
+    PAGE,
+    RELEASE_AFTER_STEPS,
+    HostMemory,
+    node_budget,
+    page_round,
+    ranks_per_node,
+)
 from autooffload.history import read_history
 
 CPU = torch.device("cpu")
@@ -159,6 +166,25 @@ def test_free_buffers_are_released_after_steps_unused():
     assert host.releases == 2 and pinning.drains == 1  # one drain before the batch
 
 
+def test_a_short_host_releases_the_free_buffers_the_last_step_did_not_use():
+    # Pinning is slow, so idle buffers wait long for their size to come back; not while others need the memory.
+    pinning = Pinning()
+    available = [PLENTY[0]]
+    host = pinning.host(memory=lambda: (available[0], PLENTY[1]))
+    old, recent = host.take(PAGE, CPU), host.take(2 * PAGE, CPU)
+    old_pointer = old.tensor.data_ptr()
+    host.give(old)
+    host.give(recent)
+    host.end_step()
+    host.give(host.take(2 * PAGE, CPU))  # the next step uses recent again
+    host.end_step()  # plenty free: nothing goes
+    assert host.held_bytes == 3 * PAGE and pinning.unpinned == []
+    host.give(host.take(2 * PAGE, CPU))
+    available[0] = PLENTY[1] // 20  # 5% free, under the 10% kept free
+    host.end_step()
+    assert host.held_bytes == 2 * PAGE and pinning.unpinned == [old_pointer] and pinning.drains == 1
+
+
 def test_default_buffers_are_exact_mappings_that_go_back_to_the_system():
     host = HostMemory(pin=False, memory=lambda: PLENTY, release_after=1)
     buffer = host.take(3 * 2**20 + 5, CPU)
@@ -298,7 +324,7 @@ class Steps(TrainerCallback):
 
 
 def run(tmp_path, lengths, pinning: Pinning, engine: str = "sync", **settings):
-    release_after = settings.pop("release_after", 4)
+    release_after = settings.pop("release_after", RELEASE_AFTER_STEPS)
     callback = AutoOffloadCallback(probe=None, engine=engine, **settings)
     callback.controller.host = pinning.host(release_after=release_after)
     steps = Steps(callback)
@@ -375,6 +401,49 @@ def test_the_pool_gives_memory_back_after_offload_has_been_off(tmp_path):
     assert held[:3] == [LAYERS * per_layer] * 3 and held[4:] == [0] * 4
     assert len(pinning.unpinned) == LAYERS and pinning.pinned == set()
     assert callback.controller.host.releases == callback.controller.host.allocations == LAYERS
+
+
+@pytest.mark.parametrize("engine", ["sync", "stream"])
+def test_a_long_micro_batch_finds_its_buffers_after_short_ones(tmp_path, engine):
+    # On an H200 machine pinning a fresh buffer cost about what a 32k-token step's compute did: one long
+    # micro-batch in six must not pin its buffers anew each time (they were released after 4 idle steps).
+    pinning = Pinning()
+    lengths = [256] + [64] * 5 + [256]
+    callback, rows, *_ = run(
+        tmp_path, lengths, pinning, engine, policy="hysteresis", seq_high=200, seq_low=100, min_steps=1
+    )
+    assert [level > 0 for level, *_ in rows] == [True] + [False] * 5 + [True]
+    host = callback.controller.host
+    assert host.allocations == pinning.calls == rows[0][1] // page_round(256 * HIDDEN * 4)
+    assert rows[-1][1] == rows[0][1]  # the same bytes moved, into the same buffers
+    assert host.held_bytes == 0  # released when training ends
+
+
+def test_a_manager_passed_in_keeps_its_buffers_across_detach():
+    # The caller's manager (benchmarks interleave modes on one model: attach, one step, detach) serves the next
+    # attach from the buffers it pinned; a controller's own manager is released at detach.
+    net = model()
+    net.gradient_checkpointing_enable()
+    ids = random_ids(128, batch=1)
+
+    def step(controller: OffloadController) -> None:
+        controller.attach(net)
+        net(input_ids=ids, labels=ids).loss.backward()
+        controller.end_step()
+        controller.detach()
+
+    pinning = Pinning()
+    controller = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None, host=pinning.host())
+    step(controller)
+    step(controller)
+    assert controller.host.held_bytes == pinning.calls * page_round(expected_bytes(128) // LAYERS) > 0
+    assert pinning.unpinned == [] and pinning.calls == LAYERS
+    controller.host.release_all()
+    assert pinning.pinned == set()
+    own = OffloadController(Settings(mode="on", host_memory="1GiB"), probe=None)
+    own.host = pinning.host()  # the controller's own manager, with recorded pinning (as on a GPU)
+    step(own)
+    assert own.host.allocations == LAYERS and own.host.held_bytes == 0 and pinning.pinned == set()
 
 
 def test_the_stream_engine_measures_a_layer_input_from_the_layers_it_moves_and_the_cap_holds(tmp_path):

@@ -22,10 +22,13 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
   (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
   already held are reused without asking: they are not free memory, but they are ours.
-- **Release.** A free buffer unused for ``release_after`` optimizer steps is released (offload off for a
-  while, or sizes that no longer come), and so is every buffer when the manager itself goes. Before a
-  release each device whose buffers go is drained once (all its streams), so no copy still in flight
-  reads a page that is being unmapped.
+- **Release.** Pinning is slow: on an H200 machine a fresh buffer cost about as much as a 32k-token step's
+  compute (``benchmarks/host_pinning.py``), and a long micro-batch that comes back after a few short ones must
+  find its buffers still there. So a free buffer is released when the host runs short (less than ``min_free``
+  free after an optimizer step: every buffer that step did not use), when it has gone unused for
+  ``release_after`` optimizer steps (offload off for a long while, or sizes that no longer come), to make room
+  under the budget, and when the manager itself goes. Before a release each device whose buffers go is drained
+  once (all its streams), so no copy still in flight reads a page that is being unmapped.
 - **Pinning that fails** (WSL caps pinned memory at 1-2 GiB; a driver or container limit): the buffer
   stays pageable, with one warning, and so do later ones; copies into it do not overlap compute.
 """
@@ -47,7 +50,7 @@ from ..settings import PAGE, parse_host_memory
 from ..warn import WarnOnce
 
 MIN_FREE = 0.10
-RELEASE_AFTER_STEPS = 4
+RELEASE_AFTER_STEPS = 256
 SLACK = 2  # without expect(): a free buffer serves a request of at least 1 / SLACK of its size
 
 
@@ -297,11 +300,24 @@ class HostMemory:
             self._free.setdefault(buffer.device, []).append(buffer)
 
     def end_step(self) -> None:
-        """An optimizer step ended: release the free buffers unused for ``release_after`` steps."""
+        """An optimizer step ended: release the free buffers unused for ``release_after`` steps, or, where the host
+        is short, every free buffer the step that ended did not use."""
         with self._lock:
             self.step += 1
-            idle = [b for bs in self._free.values() for b in bs if self.step - b.last_step >= self.release_after]
-            self._release(idle, None)
+            free = [b for bs in self._free.values() for b in bs]
+            if not free:
+                return
+            after = self.release_after
+            if any(self.step - b.last_step < after for b in free) and self._host_short():
+                after = 2  # the step that ended used those of step - 1: they stay, the others go
+            self._release([b for b in free if self.step - b.last_step >= after], None)
+
+    def _host_short(self) -> bool:
+        try:
+            available, total = self.memory()
+        except (OSError, ValueError):
+            return False
+        return available < self.min_free * total
 
     def release_all(self) -> None:
         """Release every free buffer (end of training)."""
