@@ -165,7 +165,10 @@ def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
 
 
 class BudgetProbe:
-    """A device of ``total`` bytes whose reading is the step's memory (see the module's docstring)."""
+    """A device of ``total`` bytes whose reading is the step's memory (see the module's docstring), at most the
+    device's size: a step that needs more reads as the device full, as a real device (and autooffload's probes)
+    would; a reading above the size is no reading to the controller (dropped as garbage). The step's own row keeps
+    what it needed."""
 
     separate_host = True  # offloaded inputs leave torch's CPU allocator for host buffers, as they would leave a GPU
 
@@ -175,7 +178,7 @@ class BudgetProbe:
         self.last: int | None = None
 
     def read(self) -> MemoryReading | None:
-        return None if self.last is None else MemoryReading(self.last, self.total)
+        return None if self.last is None else MemoryReading(min(self.last, self.total), self.total)
 
 
 class Bench:

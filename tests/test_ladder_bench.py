@@ -31,3 +31,21 @@ def test_quick_run_writes_results_and_the_budgets_hold(tmp_path):
     assert results["c"]["modes"]["plain"]["steps_over_budget"] > 0
     assert results["c"]["modes"]["auto"]["offloaded"] > 0 and results["c"]["modes"]["auto"]["kept"] == 0
     assert results["d"]["modes"]["auto"]["kept"] > 0
+
+
+def test_a_step_over_the_devices_size_reads_as_a_full_device_and_offload_follows():
+    """The budget probe stands for a device of its size: a step that needs more reads as that device full, as
+    autooffload's probes read it (SimulatedDevice; NvmlProbe after the allocator's retries). Before: it read more
+    than the device's size, a reading the controller drops as garbage (one probe-failed warning, hidden by the
+    benchmark): on the H200, scenario (c)'s auto never had a reading and planned no offload at all (always, one
+    layer from its one step under the size), every step over the budget."""
+    bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
+    seq, batch = bench.shape.long, bench.shape.offload_batch
+    plain = ladder_bench.reading(bench, "plain", seq, batch=batch)
+    mode = ladder_bench.Mode("auto", bench)
+    mode.probe.total = round(0.9 * plain)  # a step with every layer recomputing needs more than the device holds
+    rows = [mode.step(seq, seed=seq, timed=False, batch=batch) for _ in range(3)]
+    assert rows[0]["offload"] == 0 and rows[0]["reading"] > mode.probe.total  # no reading yet: nothing planned
+    assert rows[1]["offload"] > 0 and rows[2]["offload"] > 0
+    mode.probe.last = rows[0]["reading"]
+    assert mode.probe.read() == ladder_bench.MemoryReading(mode.probe.total, mode.probe.total)

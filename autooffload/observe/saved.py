@@ -56,11 +56,16 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
 
     ``hold``: keep the counted tensors alive until the block ends. Where the hooks around do not keep what
     they are given (a checkpoint's), a freed tensor's address can come back for a later one, which would then
-    look counted already."""
+    look counted already.
+
+    The hooks do not refer to the counter: the graph holds them (and through them the hooks around, a checkpoint's
+    frame with its call's inputs) until its backward, and a counter they referred to, which refers to them, would
+    make a cycle that only Python's cyclic collector frees, steps later, with those inputs still allocated."""
 
     def __init__(self, excluded: set[tuple[torch.device, int]], hold: bool = False) -> None:
-        self.bytes = 0
+        self._count = count = [0]
         self.held: list[torch.Tensor] = []
+        held = self.held
         seen = set(excluded)
         outer = _outer_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
@@ -69,9 +74,9 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
             key = storage_key(tensor)
             if key is not None and key not in seen:
                 seen.add(key)
-                self.bytes += tensor.untyped_storage().nbytes()
+                count[0] += tensor.untyped_storage().nbytes()
                 if hold:
-                    self.held.append(tensor)
+                    held.append(tensor)
             return outer_pack(tensor) if outer_pack is not None else tensor
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -83,9 +88,14 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
+    @property
+    def bytes(self) -> int:
+        """The bytes counted so far."""
+        return self._count[0]
+
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self.held = []
+        self.held.clear()
 
 
 def parameter_storages(modules: Iterable[torch.nn.Module]) -> set[tuple[torch.device, int]]:
