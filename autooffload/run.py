@@ -167,8 +167,9 @@ class Run:
 
     def _release(self) -> None:
         """The model is detached: nothing of it stays (its identity, its probe's hold on it, the host buffers of a
-        manager the run made; one passed in keeps its buffers for its owner's next attach, and is released by its
-        owner or when it goes)."""
+        manager the run made). A manager passed in keeps its buffers for its owner's next attach: its owner
+        releases them (``host.release_all()``); they do not go with the controller, which the functions left
+        installed on the model (``detach(restore=False)``) keep alive."""
         self._attached_identity = None
         self.fallback.let_go()
         self.memory.detach()

@@ -333,6 +333,9 @@ def measure_block(model: torch.nn.Module, plan: Plan, shape: Shape, seq: int, cl
         for i in range(len(modes)):
             mode = modes[(round_ + i) % len(modes)]
             timed[mode.name].append(run_step(mode, ids))
+    for mode in modes:
+        if mode.controller is not None:
+            mode.controller.host.release_all()  # the mode's own: the controller's detach leaves it to its owner
     arithmetic = shape.layers * plan.batch * seq * shape.hidden * torch.finfo(DTYPES[plan.dtype]).bits // 8
     rows = []
     for mode in modes:

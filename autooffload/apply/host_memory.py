@@ -25,7 +25,8 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
 - **Release.** Pinning is slow: on an H200 machine a fresh buffer cost about as much as a 32k-token step's
   compute (``benchmarks/host_pinning.py``), and a long micro-batch that comes back after a few short ones must
   find its buffers still there. So a free buffer is released when the host runs short (less than ``min_free``
-  free after an optimizer step: every buffer that step did not use), when it has gone unused for
+  free after an optimizer step: of the buffers that step did not use, the longest unused first, as many as the
+  host lacks), when it has gone unused for
   ``release_after`` optimizer steps (offload off for a long while, or sizes that no longer come), to make room
   under the budget, and when the manager itself goes. Before a release each device whose buffers go is drained
   once (all its streams), so no copy still in flight reads a page that is being unmapped.
@@ -115,13 +116,7 @@ def pageable(nbytes: int) -> torch.Tensor:
 
 
 def cuda_register(buffer: torch.Tensor) -> None:
-    """Pin ``buffer`` in place (``cudaHostRegister``, portable across devices).
-
-    Its pages are written first, by torch's parallel ``zero_``: the first touch of each page (the kernel's fault
-    and zeroing) then runs on every intra-op thread instead of inside the one registering call. On the H200
-    machine, 2 GiB pinned at 5.0 GB/s this way against 3.1 GB/s registered untouched
-    (``benchmarks/results/2026-12-04-h200-after/host_pinning.md``)."""
-    buffer.zero_()
+    """Pin ``buffer`` in place (``cudaHostRegister``, portable across devices)."""
     code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1))
     if code != 0:
         consume_cuda_error()
@@ -150,6 +145,10 @@ def cuda_drain(device: torch.device) -> None:
     the current device, and a process may drive several."""
     if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
+
+
+def _age(buffer: HostBuffer) -> int:
+    return buffer.last_step
 
 
 def _size(buffer: HostBuffer) -> int:
@@ -306,24 +305,32 @@ class HostMemory:
             self._free.setdefault(buffer.device, []).append(buffer)
 
     def end_step(self) -> None:
-        """An optimizer step ended: release the free buffers unused for ``release_after`` steps, or, where the host
-        is short, every free buffer the step that ended did not use."""
+        """An optimizer step ended: release the free buffers unused for ``release_after`` steps and, where the host
+        is short, of those the step that ended did not use, the longest unused first, as many as bring it back to
+        ``min_free`` free (all of them would be pinned again by the next micro-batch that needs them)."""
         with self._lock:
             self.step += 1
             free = [b for bs in self._free.values() for b in bs]
-            if not free:
-                return
-            after = self.release_after
-            if any(self.step - b.last_step < after for b in free) and self._host_short():
-                after = 2  # the step that ended used those of step - 1: they stay, the others go
-            self._release([b for b in free if self.step - b.last_step >= after], None)
+            idle = [b for b in free if self.step - b.last_step >= self.release_after]
+            self._release(idle, None)
+            # The step that ended took its buffers at step - 1: they stay.
+            unused = sorted((b for b in free if b not in idle and self.step - b.last_step >= 2), key=_age)
+            shortfall = self._shortfall() if unused else 0
+            going = []
+            for buffer in unused:
+                if shortfall <= 0:
+                    break
+                going.append(buffer)
+                shortfall -= buffer.nbytes
+            self._release(going, None)
 
-    def _host_short(self) -> bool:
+    def _shortfall(self) -> int:
+        """Bytes the host lacks to keep ``min_free`` free (0 where it has them, or cannot say)."""
         try:
             available, total = self.memory()
         except (OSError, ValueError):
-            return False
-        return available < self.min_free * total
+            return 0
+        return max(int(self.min_free * total) - available, 0)
 
     def release_all(self) -> None:
         """Release every free buffer (end of training)."""
