@@ -54,16 +54,21 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
 
 
 def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
-    """(c): the layers compiled in place, the rest eager; ``auto`` offloads where needed, fits (its first step,
-    before a reading, no more over the budget than ``always``'s), compiles nothing in a timed step and gives the
-    same model's plain checkpointing's loss. Its gradients are not bit-identical there (5e-7 of their largest
-    where a layer offloads; on the whole model compiled they are, tests/test_compile.py): held close here, the
-    cause not yet found."""
+    """(c): the layers compiled in place, the rest eager; ``auto`` offloads where needed, no timed step over the
+    budget, compiles nothing in a timed step and gives the same model's plain checkpointing's loss. Its warm-up
+    has one step over the budget more than ``always``'s: there one offloading layer (its eager frame around the
+    compiled layer) peaks above no offload at all, 18.79 against 18.60 MB, and the next step offloads two. (It
+    used to match ``always``'s only because a measured step's inputs lived until the garbage collector freed
+    them in the middle of the next step, lowering that step's reading; with ``gc.collect()`` before each step
+    the old code read the same.) Its gradients are not bit-identical there (5e-7 of their largest where a layer
+    offloads; on the whole model compiled they are, tests/test_compile.py): held close here, the cause not yet
+    found."""
     argv = ["--out", str(tmp_path), "--quick", "--scenario", "c", "--backend", "aot_eager_decomp_partition"]
     assert peers.main([*argv, "--modes", "plain", "always", "layers-plain", "layers-auto"]) == 0
     (result,) = json.loads((tmp_path / "peers.json").read_text())["results"]
-    auto = result["modes"]["layers-auto"]
-    assert auto["fits"] and auto["compile"]["graphs"]["timed"] == 0
+    auto, always = result["modes"]["layers-auto"], result["modes"]["always"]
+    assert auto["steps_over_budget"] == 0 and auto["compile"]["graphs"]["timed"] == 0
+    assert auto["warmup_steps_over_budget"] <= always["warmup_steps_over_budget"] + 1
     # offloads where the compiled layers with plain checkpointing do not fit (transformers 5.24 here; on 4.52.4
     # the layers compiled in place fit (c)'s budget without offload)
     assert auto["offloaded"] > 0 or result["modes"]["layers-plain"]["fits"]
