@@ -23,7 +23,7 @@ Not steered, each named in one warning when the controller attaches (the start o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,10 +64,11 @@ def _offload_wrapper_type() -> type | None:
     return OffloadWrapper
 
 
-def uncontrolled(model: torch.nn.Module, unknown: list[tuple[str, Callable[..., Any]]]) -> list[tuple[str, str]]:
-    """(warning key, message) for each checkpointing path in ``model`` that autooffload cannot steer."""
+def uncontrolled(model: torch.nn.Module, unknown: Sequence[tuple[str, Callable[..., Any]]]) -> list[tuple[str, str]]:
+    """(warning key, message) for each checkpointing path in ``model`` that autooffload cannot steer (``unknown``:
+    each module's name and function first, as :class:`~autooffload.observe.targets.Foreign` holds them)."""
     by_function: dict[str, list[str]] = {}
-    for name, function in unknown:
+    for name, function, *_ in unknown:
         by_function.setdefault(describe(function), []).append(name)
     found = []
     for what, names in by_function.items():
