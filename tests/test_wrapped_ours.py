@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+import transformers
 from conftest import expected_bytes, model, offloading, random_ids
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -85,7 +86,9 @@ def test_transformers_own_mock_of_the_checkpoint_function_is_called_and_its_laye
         ) as checkpoint_mock:
             loss, grads = loss_and_grads(net, ids)
             assert forward_mock.call_count > 1  # the layer's forward, and its recompute
-            assert sum(grad_enabled_calls) == checkpoint_mock.call_count == 1
+            assert checkpoint_mock.call_count == 1
+            if int(transformers.__version__.split(".")[0]) >= 5:  # before, the recompute ran the layer's hooks too
+                assert sum(grad_enabled_calls) == checkpoint_mock.call_count
     controller.end_step()
     ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
     assert len(ours) == 1 and "unittest.mock.MagicMock" in ours[0], ours
