@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import unittest.mock
 import warnings
 
@@ -167,11 +168,17 @@ def test_sft_with_trls_own_activation_offloading_keeps_autooffload_out_with_one_
     # as there, copying each activation into pageable host memory on one stream (use_pin_memory, use_streams off).
     import trl.trainer.sft_trainer as sft_trainer
 
-    made = sft_trainer.get_act_offloading_ctx_manager
+    # (TRL 0.19's needs CUDA streams: there the step runs without it, and the test checks autooffload alone.)
+    made, runs = sft_trainer.get_act_offloading_ctx_manager, []
 
     def on_this_cpu(model, **kwargs):
         with unittest.mock.patch.object(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu")):
-            return made(model, **{**kwargs, "use_pin_memory": False, "use_streams": False})
+            try:
+                manager = made(model, **{**kwargs, "use_pin_memory": False, "use_streams": False})
+            except (AssertionError, RuntimeError):  # Torch not compiled with CUDA enabled
+                return contextlib.nullcontext()
+        runs.append(manager)
+        return manager
 
     monkeypatch.setattr(sft_trainer, "get_act_offloading_ctx_manager", on_this_cpu)
     texts = datasets.Dataset.from_dict({"text": [words(n, i) for i, n in enumerate(TEXT_WORDS)]})
@@ -182,8 +189,8 @@ def test_sft_with_trls_own_activation_offloading_keeps_autooffload_out_with_one_
     class During(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             functions = [layer._gradient_checkpointing_func for layer in net.model.layers]
-            trl_moved = trainer.maybe_activation_offload_context.tensor_id
-            seen.append((callback.controller.switch, any(ours(f) for f in functions), trl_moved > 0))
+            trl_moved = getattr(trainer.maybe_activation_offload_context, "tensor_id", 0) > 0
+            seen.append((callback.controller.switch, any(ours(f) for f in functions), trl_moved))
 
     trainer = trl.SFTTrainer(
         model=net,
@@ -197,7 +204,7 @@ def test_sft_with_trls_own_activation_offloading_keeps_autooffload_out_with_one_
         trainer.train()
     ours_warned = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
     assert len(ours_warned) == 1 and "activation_offloading" in ours_warned[0], ours_warned
-    assert seen == [(None, False, True)] * 2  # not attached, no function of autooffload's; TRL's offload ran
+    assert seen == [(None, False, bool(runs))] * 2  # not attached, no function of autooffload's; TRL's offload ran
     assert callback.controller.history == [] and not (tmp_path / "autooffload").exists()
 
 
