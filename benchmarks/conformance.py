@@ -1004,7 +1004,14 @@ def sweep(pairs: list[tuple[str, str]], timeout: float, jobs: int, scratch: Path
     import signal
 
     import torch  # noqa: F401 - imported once here, shared by every fork
-    import transformers  # noqa: F401
+    import transformers
+
+    if UPSTREAM["run"]:  # transformers' own test, read and compiled once, shared too
+        import upstream
+
+        with contextlib.suppress(upstream.SdistUnavailable):  # each row says so
+            UPSTREAM["sdist"] = str(upstream.sdist_path(transformers.__version__, UPSTREAM["sdist"]))
+            upstream.load_check(UPSTREAM["sdist"])
 
     scratch.mkdir(parents=True, exist_ok=True)
     waiting, running = list(pairs), {}
