@@ -960,7 +960,7 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
     if UPSTREAM["run"]:
         import upstream
 
-        row["upstream"] = upstream.run_upstream(type(model), config, batch, UPSTREAM["sdist"])
+        row["upstream"] = upstream.run_upstream(type(model), model.config, batch, UPSTREAM["sdist"])
     return _finish(row, start)
 
 

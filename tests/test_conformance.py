@@ -159,7 +159,7 @@ def test_transformers_own_checkpointing_test_passes_with_autooffload_on(model_ty
         pytest.skip(f"{model_type} is not in this transformers' {mapping} mapping")
     model, config = conformance.build(model_type, mapping, True)
     batch = conformance.make_batch(model, config, mapping)
-    found = upstream.run_upstream(type(model), config, batch)
+    found = upstream.run_upstream(type(model), model.config, batch)
     if found["verdict"] == "unavailable":
         pytest.skip(found["reason"])
     assert found["verdict"] == "pass", found
