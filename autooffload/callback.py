@@ -28,7 +28,7 @@ from .controller import OffloadController, logger
 from .decide.policy import Policy
 from .guard import guarded
 from .history import history_path, truncate_history
-from .observe.paths import deepspeed_config_warning
+from .observe.paths import deepspeed_config_warning, trainer_offload_warning
 from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
@@ -140,6 +140,10 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         else:
             self.controller.reset()
         trainer = _running_trainer()
+        offloading = trainer_offload_warning(args)
+        if offloading is not None:  # every rank reads the same arguments: none attaches, none joins the others
+            self.controller.warn("trl-offloading", offloading)
+            return
         compiled = bool(getattr(args, "torch_compile", False)) or None
         if trainer is not None and compiled is None:
             compiled = is_compiled(trainer.model_wrapped) or None

@@ -85,7 +85,7 @@ class OffloadController(Run):
         frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
-            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames,
+            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames, foreign=layout.unknown,
         )  # fmt: skip
         self._adopt(layout, frames is not None)
         recompute, layers = self.settings.recompute, len(layout.layers)
@@ -232,7 +232,7 @@ class OffloadController(Run):
         if not layout.targets and not layout.unknown:
             self.warn("checkpointing-off", CHECKPOINTING_OFF)
         level = self.switch.offloaded
-        self.switch = self.switch.rebuilt(list(layout.targets))
+        self.switch = self.switch.rebuilt(list(layout.targets), layout.unknown)
         self._adopt(layout, self.planner.compiled)
         if self.hooks is not None:
             self.hooks.follow(layout.entries)

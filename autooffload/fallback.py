@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .apply.switch import install_plain
+from .apply.functions import install_plain
 from .distributed import RankAgreement, RankGaveUp
 
 # The entry points that run before a run's join: a rank that fails in one of them joins the others at once.

@@ -49,6 +49,7 @@ ANCHORS = {
     "failed": "internal-error",
     "rank-gave-up": "rank-gave-up",
     "axolotl-offloading": "axolotl-offloading",
+    "trl-offloading": "trl-offloading",
 }
 
 

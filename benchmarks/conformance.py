@@ -32,6 +32,13 @@ encoder-decoder). Checked per type:
 - warnings (``AutoOffloadWarning`` and the ``transformers.autooffload`` log at WARNING) are collected; a
   run that moves what it should must warn nothing, a run left on plain checkpointing must say so once.
 
+Beside the verdict, a second source judges each row that ran: transformers' own test,
+``check_training_gradient_checkpointing`` from the source distribution of the installed release, run on the row's
+model class, tiny config and batch with autooffload attached in mode ``on`` (:mod:`upstream`; column
+``transformers' test``: ``pass``, ``fail`` where it passes without autooffload, ``fails-plain`` where it fails
+without autooffload too, ``skipped``). ``--no-upstream`` leaves it out; ``--transformers-sdist PATH`` names the sdist
+(else it is fetched once with pip into a cache).
+
 Verdicts: ``correct``; ``plain-with-warning`` (nothing moved, one warning, results identical: the warning's
 text is in the table for a reader to judge); ``wrong`` (what differs); ``crash`` (autooffload raised, or the
 child process died or timed out); ``skipped`` (no tiny config, no checkpointing support, or the plain
@@ -816,8 +823,13 @@ def _with_media(model: Any, config: Any, batch: dict[str, Any], row: dict[str, A
     return media
 
 
+# transformers' own test per row (:mod:`upstream`): run it, and the sdist to read it from (None: found or fetched).
+UPSTREAM: dict[str, Any] = {"run": False, "sdist": None}
+
+
 def check_type(model_type: str, mapping: str) -> dict[str, Any]:
-    """Build, run plain/on/partial, and judge one model type. Runs in the child process."""
+    """Build, run plain/on/partial, and judge one model type (and, with ``UPSTREAM["run"]``, run transformers' own
+    checkpointing test on it: :mod:`upstream`). Runs in the child process."""
     import quirks
 
     row: dict[str, Any] = {"type": model_type, "mapping": mapping}
@@ -945,6 +957,10 @@ def check_type(model_type: str, mapping: str) -> dict[str, Any]:
             problems.append(f"warned while moving everything: {' | '.join(warned)}")
     if "verdict" not in row:
         row.update(verdict="wrong", reason="; ".join(problems)) if problems else row.update(verdict="correct")
+    if UPSTREAM["run"]:
+        import upstream
+
+        row["upstream"] = upstream.run_upstream(type(model), model.config, batch, UPSTREAM["sdist"])
     return _finish(row, start)
 
 
@@ -988,7 +1004,14 @@ def sweep(pairs: list[tuple[str, str]], timeout: float, jobs: int, scratch: Path
     import signal
 
     import torch  # noqa: F401 - imported once here, shared by every fork
-    import transformers  # noqa: F401
+    import transformers
+
+    if UPSTREAM["run"]:  # transformers' own test, read and compiled once, shared too
+        import upstream
+
+        with contextlib.suppress(upstream.SdistUnavailable):  # each row says so
+            UPSTREAM["sdist"] = str(upstream.sdist_path(transformers.__version__, UPSTREAM["sdist"]))
+            upstream.load_check(UPSTREAM["sdist"])
 
     scratch.mkdir(parents=True, exist_ok=True)
     waiting, running = list(pairs), {}
@@ -1028,12 +1051,16 @@ def _status(status: int) -> str:
 
 
 VERDICTS = ("correct", "plain-with-warning", "wrong", "crash", "skipped")
+UPSTREAM_VERDICTS = ("pass", "fail", "fails-plain", "skipped", "unavailable")
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
-    (out / "conformance.json").write_text(json.dumps({"meta": meta, "counts": counts, "rows": rows}, indent=1) + "\n")
+    upstream = {v: sum(r.get("upstream", {}).get("verdict") == v for r in rows) for v in UPSTREAM_VERDICTS}
+    upstream["not run"] = sum("upstream" not in r for r in rows)
+    summary = {"meta": meta, "counts": counts, "upstream_counts": upstream, "rows": rows}
+    (out / "conformance.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [
         f"# Conformance sweep, transformers {meta['transformers']}, torch {meta['torch']}",
         "",
@@ -1041,16 +1068,21 @@ def write_tables(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) ->
         "",
         "Counts: " + ", ".join(f"{v} {n}" for v, n in counts.items()),
         "",
+        "transformers' own test (`check_training_gradient_checkpointing`, autooffload on): "
+        + ", ".join(f"{v} {n}" for v, n in upstream.items()),
+        "",
         "| type | mapping | verdict | L | calls | measured | moved | arithmetic | first guess | predicted "
-        "| partial moved | s | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| partial moved | transformers' test | s | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        arithmetic = r.get("arithmetic")
-        reason = str(r.get("reason", "")).replace("|", "/").replace("\n", " ")[:300]
+        arithmetic, check = r.get("arithmetic"), r.get("upstream", {})
+        reasons = [str(r.get("reason", "")), f"transformers' test: {check['reason']}" if check.get("reason") else ""]
+        reason = "; ".join(part for part in reasons if part).replace("|", "/").replace("\n", " ")[:400]
         cells = [r["type"], r["mapping"], r["verdict"], r.get("layers", ""), r.get("calls", ""), r.get("measured", "")]
         cells += [r.get("moved", ""), "" if arithmetic is None else round(arithmetic), r.get("first_guess") or ""]
-        cells += [r.get("predicted") or "", r.get("partial_moved", ""), r.get("seconds", r.get("wall_seconds", ""))]
+        cells += [r.get("predicted") or "", r.get("partial_moved", ""), check.get("verdict", "")]
+        cells += [r.get("seconds", r.get("wall_seconds", ""))]
         lines.append("| " + " | ".join(str(c) for c in [*cells, reason]) + " |")
     (out / "conformance.md").write_text("\n".join(lines) + "\n")
 
@@ -1062,10 +1094,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mappings", default=",".join(MAPPINGS), help=f"comma-separated, of {', '.join(MAPPINGS)}")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per type")
     parser.add_argument("--jobs", type=int, default=1, help="types run at once")
+    parser.add_argument("--no-upstream", action="store_true", help="do not run transformers' own checkpointing test")
+    parser.add_argument("--transformers-sdist", help="the installed transformers' sdist (.tar.gz or unpacked)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--mapping", default="causal", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    UPSTREAM.update(run=not args.no_upstream, sdist=args.transformers_sdist)
     if args.one:
         print(json.dumps(check_type(args.one, args.mapping), default=str))
         return 0

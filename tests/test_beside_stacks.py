@@ -10,6 +10,9 @@ the others kept plain checkpointing without a word.
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +230,102 @@ def test_a_stack_that_reports_before_the_first_stack_is_sized_right_at_the_next_
     assert levels == [0, 9]
     assert controller.sizes.planned_layer_bytes == (byte, patch, patch, patch, byte, byte, patcher, patcher, patcher)
     assert controller.last_step_bytes == round(arithmetic[-1] or 0) == 3 * byte + 3 * patch + 3 * patcher
+
+
+class MtpHead(torch.nn.Module):
+    """A multi-token-prediction head: its own layers on the text stack's last hidden states."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(BYTE_WIDTH) for _ in range(layers))
+
+    def forward(self, hidden_states):
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+class WithMtp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.text = Stack(BYTE_WIDTH, 3, embed=True)
+        self.mtp = MtpHead(2)
+        function = functools.partial(checkpoint, use_reentrant=False)
+        for module in self.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.gradient_checkpointing, module._gradient_checkpointing_func = True, function
+
+    def get_input_embeddings(self):
+        return self.text.embed_tokens
+
+    def forward(self, input_ids):
+        hidden = self.text(input_ids)
+        return hidden.pow(2).mean() + self.mtp(hidden).pow(2).mean()
+
+
+def test_a_multi_token_prediction_head_on_the_text_hidden_states_is_planned_and_moves():
+    """Before, its layers kept plain checkpointing, with a ``stack-length`` warning: its module does not take the
+    tokens, and the rule that keeps a custom tower on ``images=`` from being sized by the text took it for one."""
+    net = WithMtp()
+    layout = ModelLayout.read(net)
+    assert [stack.name for stack in layout.stacks] == ["text.layers", "mtp.layers"] and layout.warnings == ()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    _, _, plain = run_steps(WithMtp(), ids)
+    moved, arithmetic, grads = run_steps(net, ids, offloading(net))
+    assert moved == [round(a) for a in arithmetic] == [5 * BATCH * SEQ * BYTE_WIDTH * 4] * 2
+    assert same_grads(grads, plain)
+
+
+def canine():
+    """A tiny CANINE: a one-layer character encoder on the characters' embeddings, a deep encoder on molecules (four
+    characters each), a one-layer character encoder on the characters again; each layer checkpointed."""
+    from transformers import CanineConfig, CanineForTokenClassification
+
+    config = CanineConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, downsampling_rate=4,
+        local_transformer_stride=8, num_hash_buckets=128, upsampling_kernel_size=4, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    net = CanineForTokenClassification(config)
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return net.train()
+
+
+class Classified(torch.nn.Module):
+    """``net``'s loss on a batch of character ids, each labelled: what :func:`run_steps` trains."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids=ids, labels=ids % 2).loss
+
+
+def test_canines_character_encoders_are_planned_and_every_checkpointed_input_moves():
+    """CANINE's character encoders run on what the model computed from its characters (their forward takes
+    ``hidden_states``) beside the deep encoder: all three stacks are planned, and mode ``on`` moves every checkpointed
+    layer's input, as the arithmetic says. Before, the deep encoder's two layers alone moved (8 of 40 KiB a step)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import conformance
+
+    chars = 64
+    ids = torch.randint(5, 120, (BATCH, chars), generator=torch.Generator().manual_seed(1))
+    _, _, plain = run_steps(Classified(canine()), ids, skip_unused=True)  # the pooler's: unused
+    net = canine()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        controller = offloading(net)
+        recorder = conformance.CheckpointCalls()
+        with recorder.watching():
+            moved, arithmetic, grads = run_steps(Classified(net), ids, controller, skip_unused=True)
+    assert [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)] == []
+    assert [stack.name for stack in controller.layout.stacks] == [
+        "canine.encoder.layer", "canine.initial_char_encoder.layer", "canine.final_char_encoder.layer",
+    ]  # fmt: skip
+    characters, molecules = BATCH * chars * 32 * 4, BATCH * chars // 4 * 32 * 4
+    assert [nbytes for _, nbytes in recorder.calls] == [characters, molecules, molecules, characters] * 2
+    assert moved == [round(a) for a in arithmetic] == [recorder.bytes // 2] * 2
+    assert controller.sizes.planned_layer_bytes == (characters, molecules, molecules, characters)
+    assert same_grads(grads, plain)

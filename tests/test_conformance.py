@@ -146,3 +146,21 @@ def test_autooffload_conforms(model_type, mapping):
     assert row["verdict"] == "correct", row
     assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
     assert (row["extras"] > 0) == (model_type in SECOND_ACTIVATIONS)
+
+
+@pytest.mark.parametrize(("model_type", "mapping"), [("qwen3", "causal"), ("t5", "seq2seq")])
+def test_transformers_own_checkpointing_test_passes_with_autooffload_on(model_type, mapping):
+    """transformers' ``check_training_gradient_checkpointing``, read from the installed release's sdist (fetched once
+    with pip where it is not cached), in its three scenarios, with autooffload attached in mode ``on``: on 5.x it wraps
+    the first layer's checkpoint function in a ``MagicMock`` that must count the layer's forwards."""
+    import upstream
+
+    if (model_type, mapping) not in conformance.model_types([mapping]):
+        pytest.skip(f"{model_type} is not in this transformers' {mapping} mapping")
+    model, config = conformance.build(model_type, mapping, True)
+    batch = conformance.make_batch(model, config, mapping)
+    found = upstream.run_upstream(type(model), model.config, batch)
+    if found["verdict"] == "unavailable":
+        pytest.skip(found["reason"])
+    assert found["verdict"] == "pass", found
+    assert set(found["scenarios"].values()) == {"pass"}

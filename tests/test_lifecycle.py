@@ -23,6 +23,7 @@ from autooffload import (
 )
 from autooffload.apply.hooks import ForwardHooks
 from autooffload.history import history_path, read_history
+from autooffload.observe.ours import ours
 
 LOGGER = "transformers.autooffload"
 
@@ -227,7 +228,7 @@ def test_a_failed_train_leaves_one_controller_for_the_next_run(tmp_path, through
     assert failed.controller.switch is None and failed.controller.record.reinstalls == 0
     assert second.controller.record.reinstalls == 0
     assert hooks_of(net) == []  # detached at the end of training
-    assert all(getattr(f, "_autooffload_original", None) is not None for f in checkpoint_functions(net))
+    assert all(ours(f) is not None for f in checkpoint_functions(net))
 
 
 def test_attaching_a_second_controller_retires_the_first():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import unittest.mock
 import warnings
 
 import datasets
@@ -16,6 +18,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 from autooffload import AutoOffloadCallback, AutoOffloadWarning
 from autooffload.callback import checkpointing_kwargs
 from autooffload.history import read_history
+from autooffload.observe.ours import ours
 
 PREFIX = "activation" if NEW_NAMES else "gradient"
 
@@ -150,6 +153,59 @@ def test_sft_padding_free_moves_the_concatenated_length(tmp_path):
     sums = {a + b for i, a in enumerate(lengths) for b in lengths[i + 1 :]}
     assert all(tokens in sums for tokens, *_ in rows)
     assert [(active, moved) for _, active, moved in rows] == [(1.0, expected_bytes(tokens)) for tokens, *_ in rows]
+
+
+# ---- TRL's own activation offloading: autooffload stays out ------------------------------------------
+
+
+def test_sft_with_trls_own_activation_offloading_keeps_autooffload_out_with_one_warning(tmp_path, monkeypatch):
+    """TRL's ``activation_offloading`` wraps each training step in saved-tensor hooks that move every activation to
+    host memory itself: autooffload attached beside it would move some of the same layers' inputs, or report
+    nothing moved while TRL moves them. It stays out, with one warning naming TRL's option."""
+    if "activation_offloading" not in trl.SFTConfig.__dataclass_fields__:
+        pytest.skip(f"TRL {trl.__version__}'s SFTConfig has no activation_offloading")
+    # TRL's offload runs only where torch names an accelerator: made while this CPU is named as one, it runs here
+    # as there, copying each activation into pageable host memory on one stream (use_pin_memory, use_streams off).
+    import trl.trainer.sft_trainer as sft_trainer
+
+    # (TRL 0.19's needs CUDA streams: there the step runs without it, and the test checks autooffload alone.)
+    made, runs = sft_trainer.get_act_offloading_ctx_manager, []
+
+    def on_this_cpu(model, **kwargs):
+        with unittest.mock.patch.object(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu")):
+            try:
+                manager = made(model, **{**kwargs, "use_pin_memory": False, "use_streams": False})
+            except (AssertionError, RuntimeError):  # Torch not compiled with CUDA enabled
+                return contextlib.nullcontext()
+        runs.append(manager)
+        return manager
+
+    monkeypatch.setattr(sft_trainer, "get_act_offloading_ctx_manager", on_this_cpu)
+    texts = datasets.Dataset.from_dict({"text": [words(n, i) for i, n in enumerate(TEXT_WORDS)]})
+    net = model()
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    seen = []
+
+    class During(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            functions = [layer._gradient_checkpointing_func for layer in net.model.layers]
+            trl_moved = getattr(trainer.maybe_activation_offload_context, "tensor_id", 0) > 0
+            seen.append((callback.controller.switch, any(ours(f) for f in functions), trl_moved))
+
+    trainer = trl.SFTTrainer(
+        model=net,
+        args=config(trl.SFTConfig, tmp_path, 2, {"use_reentrant": False}, activation_offloading=True),
+        train_dataset=texts,
+        processing_class=tokenizer(),
+        callbacks=[callback, During()],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours_warned = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours_warned) == 1 and "activation_offloading" in ours_warned[0], ours_warned
+    assert seen == [(None, False, bool(runs))] * 2  # not attached, no function of autooffload's; TRL's offload ran
+    assert callback.controller.history == [] and not (tmp_path / "autooffload").exists()
 
 
 # ---- LoRA: frozen embeddings make the first layer's input a leaf that requires grad ------------------

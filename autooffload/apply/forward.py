@@ -47,6 +47,9 @@ class ForwardState:
         # This forward's first calls that deferred tensors: position -> (its reported bytes, shape, the tensors).
         self._first_deferred: dict[int, tuple[int, tuple[int, int] | None, list[weakref.ref]]] = {}
         self.open = False  # a forward the hooks saw begin runs, and its end will settle what its calls deferred
+        # The switch was replaced or detached: a function of it that a foreign wrapper still calls counts, reports and
+        # moves nothing (plain checkpointing, with its layer's kwargs).
+        self.retired = False
 
     def new_forward(self) -> None:
         self.moved.clear()
@@ -78,7 +81,7 @@ class ForwardState:
 
         @torch.compiler.disable
         def counted(args: tuple) -> LayerCall:
-            if not torch.is_grad_enabled():
+            if self.retired or not torch.is_grad_enabled():
                 return LayerCall()
             if self.counts[position] and torch._C._current_graph_task_id() != -1:
                 return LayerCall()  # an outer checkpoint's recompute: the forward counted and moved this call

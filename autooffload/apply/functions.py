@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..observe.ours import ours, register
+from ..observe.targets import checkpoint_wrapper_type, torch_checkpoint_kwargs
 from .engines import OffloadEngine
 from .forward import ForwardState, LayerCalls
 from .offload import OffloadStats
@@ -83,3 +85,24 @@ def offload_function(
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload
+
+
+def install_plain(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Callable[..., Any]]]:
+    """Put plain checkpointing (torch's checkpoint with the kwargs found, without ``offload``) on every
+    checkpointed module of ``model`` whose function autooffload knows: the fallback when autooffload gives up
+    before its switch exists (:mod:`autooffload.guard`), since transformers' own functions may carry an
+    ``offload`` key that fails (before 5.17; on a CPU-only build) or always offloads. Returns what it installed
+    (module, attribute, function)."""
+    wrapper_type = checkpoint_wrapper_type()
+    installed = []
+    for module in model.modules():
+        attribute = "checkpoint_fn" if wrapper_type is not None and isinstance(module, wrapper_type) else None
+        if attribute is None and getattr(module, "gradient_checkpointing", False) is True:
+            attribute = "_gradient_checkpointing_func"
+        function = getattr(module, attribute, None) if attribute else None
+        kwargs = torch_checkpoint_kwargs(function) if function is not None else None
+        if kwargs is not None:
+            made = ours(function)
+            setattr(module, attribute, register(plain_function(kwargs), made.original if made else function, kwargs))
+            installed.append((module, attribute, getattr(module, attribute)))
+    return installed

@@ -31,10 +31,14 @@ import torch
 from ..observe.saved import SavedBytesCounter, storage_key, tensors_in
 
 
-def keep_function() -> Callable[..., Any]:
-    """The keep rung: the layer runs once, without checkpointing."""
+def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) -> Callable[..., Any]:
+    """The keep rung: the layer runs once, without checkpointing. Once the switch that made it is retired (``state``,
+    its :class:`~.forward.ForwardState`), a wrapper that is not autooffload's may still call it: then ``plain``
+    checkpointing, with the layer's own kwargs."""
 
     def checkpoint_keep(function, *args, **call_kwargs):
+        if plain is not None and state.retired:
+            return plain(function, *args, **call_kwargs)
         return function(*args, **call_kwargs)
 
     return checkpoint_keep
@@ -44,13 +48,19 @@ Report = Callable[[int, int], None]
 
 
 def measuring_keep_function(
-    excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report]
+    excluded: Callable[[], set[tuple[torch.device, int]]],
+    reporter: Callable[[], Report],
+    plain: Callable[..., Any] | None = None,
+    state: Any = None,
 ) -> Callable[..., Any]:
     """The keep rung that also counts what the layer saved beyond ``excluded()`` (parameters, buffers) and its
     inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run; ``report`` is
-    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to)."""
+    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to). Retired,
+    ``plain`` checkpointing, as :func:`keep_function`."""
 
     def checkpoint_keep_measured(function, *args, **call_kwargs):
+        if plain is not None and state.retired:
+            return plain(function, *args, **call_kwargs)
         report = reporter()
         tensors = list(tensors_in((function, args, call_kwargs)))
         inputs = {key for key in map(storage_key, tensors) if key is not None}

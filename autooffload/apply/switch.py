@@ -26,18 +26,14 @@ cannot trace, and counters), and the layer it calls is compiled as a frame of it
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..observe.ours import register
 from ..observe.saved import parameter_storages
-from ..observe.targets import (
-    CheckpointTarget,
-    checkpoint_wrapper_type,
-    planned_layers,
-    torch_checkpoint_kwargs,
-)
+from ..observe.targets import CheckpointTarget, Foreign, planned_layers
 from ..observe.wrapped import rewrap
 from ..warn import WarnOnce
 from .compile_guard import CompiledFrames
@@ -81,10 +77,11 @@ class CheckpointSwitch:
     outer targets keep plain checkpointing. ``engine``: ``"sync"``, ``"stream"`` or an
     :class:`~autooffload.apply.engines.OffloadEngine`; ``host``: where a named engine takes its host buffers
     (default: a manager of its own); ``watched``: without targets (checkpointing turned off), the attributes
-    that held functions before, which :meth:`unchanged` watches; ``frames``: given where the model runs under
-    torch.compile, whose functions then take the forms that cost least there (module docs), and its frames are
-    given back to dynamo when plans without eager-frame functions follow one with them
-    (:class:`~autooffload.apply.compile_guard.CompiledFrames`).
+    that held functions before, which :meth:`unchanged` watches, as it watches ``foreign``, the checkpointed
+    modules whose functions it cannot steer (a wrapper around one of its own: once it is gone, the layer is read
+    again and steered); ``frames``: given where the model runs under torch.compile, whose functions then take the
+    forms that cost least there (module docs), and its frames are given back to dynamo when plans without
+    eager-frame functions follow one with them (:class:`~autooffload.apply.compile_guard.CompiledFrames`).
     """
 
     def __init__(
@@ -98,15 +95,19 @@ class CheckpointSwitch:
         on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None,
         on_measured: Callable[[int, int, int, Any], None] | None = None,
         frames: CompiledFrames | None = None,
+        foreign: Sequence[Foreign] = (),
     ) -> None:
         self.targets = targets
+        self._foreign = [(f.module, f.attribute, f.function) for f in foreign]
         self.compiled, self.frames = frames is not None, frames
         compiled = self.compiled
         self._whole = 0  # micro-batches planned in a row without eager-frame functions
         eager = eager_frame if compiled else (lambda function: function)
         self.stats = stats
         self.on_first_call, self.on_measured = on_first_call, on_measured
-        self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched or []] if not targets else []
+        held = {(id(m), a) for m, a, _ in self._foreign}
+        dormant = [(m, a) for m, a in watched or [] if (id(m), a) not in held] if not targets else []
+        self._dormant = [(m, a, getattr(m, a, None)) for m, a in dormant]
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
         self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
@@ -129,12 +130,16 @@ class CheckpointSwitch:
         self.forward.on_first_call = self._first_call
         self.forward.inputs.names = [argument_names(_slot_module(slot)) for slot in self.layers]
         self.forward.inputs.named_only = [slot.target.kind == "container" for slot in self.layers]
-        self._keep = [self._tag(keep_function(), s.target) for s in self.layers]
+        retired = [plain_function(s.target.kwargs) for s in self.layers]  # a retired keep function's checkpoint
+        self._keep = [self._tag(keep_function(retired[i], self.forward), s.target) for i, s in enumerate(self.layers)]
         self._keep_measured = [
             self._tag(
                 eager(
                     measuring_keep_function(
-                        functools.partial(parameter_storages, [s.target.module]), functools.partial(self._reporter, i)
+                        functools.partial(parameter_storages, [s.target.module]),
+                        functools.partial(self._reporter, i),
+                        retired[i],
+                        self.forward,
                     )
                 ),
                 s.target,
@@ -172,13 +177,12 @@ class CheckpointSwitch:
 
     @staticmethod
     def _tag(function: Callable[..., Any], target: CheckpointTarget, wrap: bool = True) -> Callable[..., Any]:
-        """Mark ``function`` as autooffload's for ``target``; with ``wrap``, inside the target's own wrappers (a
-        container's dispatcher is not wrapped: it must count every call; the functions it dispatches to are)."""
+        """Register ``function`` as autooffload's for ``target`` (:mod:`~autooffload.observe.ours`); with ``wrap``,
+        inside the target's own wrappers (a container's dispatcher is not wrapped: it must count every call; the
+        functions it dispatches to are)."""
         if wrap and target.wrappers:
             function = rewrap(target.wrappers, function)
-        function._autooffload_original = target.original
-        function._autooffload_kwargs = target.kwargs
-        return function
+        return register(function, target.original, target.kwargs)
 
     def apply(self, k: int, keep: int = 0, measure: bool = False, order: tuple[int, ...] | None = None) -> None:
         """Offload the first ``k`` layers of ``order`` (positions in :attr:`layers`; default: module order, the
@@ -300,31 +304,40 @@ class CheckpointSwitch:
         calls.count = 0
 
     def close(self) -> None:
-        """Remove the hooks this switch put on container modules (the switch is being replaced or detached)."""
+        """The switch is being replaced or detached: remove the hooks it put on container modules, and retire its
+        functions. One of them may live on inside a wrapper that is not autooffload's (a test's ``MagicMock``, a
+        plain function): called there, it runs plain checkpointing with its layer's kwargs, and counts, reports and
+        moves nothing."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.forward.retired = True
+        self.on_first_call = self.on_measured = None
 
     def _install(self, target: CheckpointTarget, function: Callable[..., Any]) -> None:
         setattr(target.module, target.attribute, function)
 
     def unchanged(self) -> bool:
         """True while nobody replaced the checkpoint functions since this switch was built: its own are in place,
-        or, where there were none to control, the watched attributes still hold what they held, checkpointing off."""
+        or, where there were none to control, the watched attributes still hold what they held, checkpointing off;
+        and the functions it could not steer are the ones it found."""
+        if any(getattr(m, a, None) is not f for m, a, f in self._foreign):
+            return False
         if self.targets:
             return self.intact()
         return all(
             getattr(m, a, None) is f and not getattr(m, "gradient_checkpointing", False) for m, a, f in self._dormant
         )
 
-    def rebuilt(self, targets: list[CheckpointTarget]) -> CheckpointSwitch:
-        """A switch for ``targets``, what the model holds now, in place of this one: the same engine and byte
-        counts; without targets, it watches the attributes this one controlled."""
+    def rebuilt(self, targets: list[CheckpointTarget], foreign: Sequence[Foreign] = ()) -> CheckpointSwitch:
+        """A switch for ``targets`` and ``foreign``, what the model holds now, in place of this one: the same engine
+        and byte counts; without targets, it watches the attributes this one controlled."""
+        on_first_call, on_measured = self.on_first_call, self.on_measured
         self.close()
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
         switch = CheckpointSwitch(
-            targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured,
-            self.frames,
+            targets, self.stats, self.engine, self.warn, None, watched, on_first_call, on_measured, self.frames,
+            foreign,
         )  # fmt: skip
         switch.forward.open = self.forward.open  # rebuilt as a forward begins: its end settles what it defers
         return switch
@@ -353,23 +366,3 @@ class CheckpointSwitch:
             setattr(target.module, target.attribute, target.original)
         self.offloaded, self.kept, self.measuring = -1, 0, False
         self._functions = [None] * len(self.layers)
-
-
-def install_plain(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Callable[..., Any]]]:
-    """Put plain checkpointing (torch's checkpoint with the kwargs found, without ``offload``) on every
-    checkpointed module of ``model`` whose function autooffload knows: the fallback when autooffload gives up
-    before its switch exists (:mod:`autooffload.guard`), since transformers' own functions may carry an
-    ``offload`` key that fails (before 5.17; on a CPU-only build) or always offloads. Returns what it installed
-    (module, attribute, function)."""
-    wrapper_type = checkpoint_wrapper_type()
-    installed = []
-    for module in model.modules():
-        attribute = "checkpoint_fn" if wrapper_type is not None and isinstance(module, wrapper_type) else None
-        if attribute is None and getattr(module, "gradient_checkpointing", False) is True:
-            attribute = "_gradient_checkpointing_func"
-        function = getattr(module, attribute, None) if attribute else None
-        kwargs = torch_checkpoint_kwargs(function) if function is not None else None
-        if kwargs is not None:
-            setattr(module, attribute, plain_function(kwargs))
-            installed.append((module, attribute, getattr(module, attribute)))
-    return installed

@@ -11,8 +11,6 @@ micro-batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -20,7 +18,7 @@ from ..decide.activations import LayerShape
 from .model import dtype_bytes, hidden_size, layer_shape, layer_token_bytes, matrix_weights, model_devices, token_terms
 from .paths import uncontrolled
 from .stacks import Stack, entries, plan_stacks
-from .targets import CheckpointTarget, LayerSlot, checkpointed_modules, mark_planned, planned_layers
+from .targets import CheckpointTarget, Foreign, LayerSlot, checkpointed_modules, mark_planned, planned_layers
 
 ENABLE_HINT = (
     "enable checkpointing first: TrainingArguments(activation_checkpointing=True) "
@@ -36,19 +34,20 @@ CHECKPOINTING_OFF = (
 class ModelLayout:
     """A model's checkpointing as autooffload plans it.
 
-    ``targets``: every checkpointed module it controls, in module order; ``unknown``: (name, function) of those it
-    cannot; ``layers``: the planned layers (:class:`~autooffload.observe.targets.LayerSlot`: a layer target, or one
-    call of a container); ``stacks``: the planned stacks, and ``entries``: the modules a micro-batch is seen at,
-    outermost first, each with the stacks its call runs. ``widths``: each stack's layer input per token relative to
-    the model's hidden size (an encoder and a decoder of different widths), from the config. ``token_bytes``: a
-    layer input's bytes per token from the config (a first guess: the first layer call says the truth);
-    ``logits_token_bytes`` and ``work_token_bytes``: the logits' and one layer's recompute working set per token.
-    ``layer_weights`` (per planned layer), ``weight_bytes`` and ``layer_shape``: the keep planner's seed.
-    ``warnings``: (key, message) for each path it cannot steer and each stack it cannot plan.
+    ``targets``: every checkpointed module it controls, in module order; ``unknown``: those it cannot
+    (:class:`~autooffload.observe.targets.Foreign`); ``layers``: the planned layers
+    (:class:`~autooffload.observe.targets.LayerSlot`: a layer target, or one call of a container); ``stacks``: the
+    planned stacks, and ``entries``: the modules a micro-batch is seen at, outermost first, each with the stacks its
+    call runs. ``widths``: each stack's layer input per token relative to the model's hidden size (an encoder and a
+    decoder of different widths), from the config. ``token_bytes``: a layer input's bytes per token from the config
+    (a first guess: the first layer call says the truth); ``logits_token_bytes`` and ``work_token_bytes``: the
+    logits' and one layer's recompute working set per token. ``layer_weights`` (per planned layer), ``weight_bytes``
+    and ``layer_shape``: the keep planner's seed. ``warnings``: (key, message) for each path it cannot steer and
+    each stack it cannot plan.
     """
 
     targets: tuple[CheckpointTarget, ...] = ()
-    unknown: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    unknown: tuple[Foreign, ...] = ()
     stacks: tuple[Stack, ...] = ()
     layers: tuple[LayerSlot, ...] = ()
     entries: tuple[tuple[torch.nn.Module, tuple[Stack, ...]], ...] = ()

@@ -15,6 +15,8 @@ Not steered, each named in one warning when the controller attaches (the start o
   is left alone, and a DeepSpeed config that asks for that section gets a warning through the callback.
 - torch's ``OffloadWrapper`` around a checkpointed layer (accelerate's FSDP2 ``activation_checkpointing_offload``,
   torch's ``offload_wrapper``): ``save_on_cpu`` on every call, whatever autooffload decides.
+- A trainer's own activation offload (TRL's ``activation_offloading``): the whole training step runs under its
+  saved-tensor hooks; autooffload stays out of that training (:func:`trainer_offload_warning`).
 - Any other checkpoint function autooffload does not recognise, a framework's wrapper included when what it
   wraps is not torch's checkpoint (LLaMA-Factory's ``use_unsloth_gc``); wrappers of torch's checkpoint are
   steered through the wrapper (wrapped.py).
@@ -23,7 +25,7 @@ Not steered, each named in one warning when the controller attaches (the start o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,10 +66,11 @@ def _offload_wrapper_type() -> type | None:
     return OffloadWrapper
 
 
-def uncontrolled(model: torch.nn.Module, unknown: list[tuple[str, Callable[..., Any]]]) -> list[tuple[str, str]]:
-    """(warning key, message) for each checkpointing path in ``model`` that autooffload cannot steer."""
+def uncontrolled(model: torch.nn.Module, unknown: Sequence[tuple[str, Callable[..., Any]]]) -> list[tuple[str, str]]:
+    """(warning key, message) for each checkpointing path in ``model`` that autooffload cannot steer (``unknown``:
+    each module's name and function first, as :class:`~autooffload.observe.targets.Foreign` holds them)."""
     by_function: dict[str, list[str]] = {}
-    for name, function in unknown:
+    for name, function, *_ in unknown:
         by_function.setdefault(describe(function), []).append(name)
     found = []
     for what, names in by_function.items():
@@ -112,4 +115,18 @@ def deepspeed_config_warning(config: Mapping[str, Any] | None) -> str | None:
         f"the DeepSpeed config's activation_checkpointing section ({', '.join(asked)}) is not applied: Trainer "
         "and accelerate never call deepspeed.checkpointing, so transformers' checkpointing runs torch's "
         "checkpoint, and autooffload decides when its saved inputs go to host memory"
+    )
+
+
+def trainer_offload_warning(args: Any) -> str | None:
+    """A warning when the trainer moves activations to host memory itself: TRL's ``activation_offloading`` (SFT,
+    DPO, KTO and reward configs) runs each training step under saved-tensor hooks that copy every activation saved
+    in it, the checkpointed layers' inputs included. Two offloaders cannot share the saved tensors: autooffload
+    would copy some of the same tensors, or report nothing moved while TRL moves them, so it stays out."""
+    if getattr(args, "activation_offloading", False) is not True:
+        return None
+    return (
+        "TRL's activation_offloading moves every activation of each training step to host memory itself, so "
+        "autooffload stays out of this training (it installs nothing and reports nothing); set "
+        "activation_offloading=False to let autooffload decide"
     )

@@ -118,20 +118,24 @@ def _carries_tokens(modules: dict[str, torch.nn.Module], stack: Stack, owner: st
     """Does the call of a stack's entry carry the tokens the stack runs on? Its length is read from them and what it
     holds per token learned, so an entry whose tokens go elsewhere would size it from an unrelated length. Yes where
     the stack's own module takes them or the entry holds no text stack (BLT's global transformer, byte decoder and
-    patcher take their own ``input_ids`` or ``inputs_embeds``), or where a module between the stack and its entry
+    patcher take their own ``input_ids`` or ``inputs_embeds``), where a module between the stack and its entry
     takes the decoder's tokens (Diffusion-Gemma's decoder on ``decoder_input_ids``, under the model that takes
-    them). No where the entry is a module the text stack runs under too and the stack's own module takes something
-    else (a custom VLM's vision tower on ``images=``, a name autooffload does not know): its tokens are the text's."""
+    them), or where every module between them runs on hidden states, what the entry computed from its tokens (each
+    one's forward takes ``hidden_states`` first: CANINE's character encoders, before and after its deep encoder).
+    No where the entry is a module the text stack runs under too and a module on the way takes something else (a
+    custom VLM's vision tower on ``images=``, a name autooffload does not know): its tokens are the text's."""
     if not takes_tokens(stack.entry):
         return False
     if stack.entry_name == owner or not any(_under(name, stack.entry_name) for name in text):
         return True
-    name = owner
+    name, derived = owner, True
     while name != stack.entry_name and name in modules:
-        if any(parameter in DECODER_TOKENS for parameter in _parameters(modules[name])):
+        parameters = _parameters(modules[name])
+        if any(parameter in DECODER_TOKENS for parameter in parameters):
             return True
+        derived = derived and parameters[:1] == ("hidden_states",)
         name = name.rpartition(".")[0]
-    return False
+    return derived
 
 
 def _unplanned(model: torch.nn.Module, names: list[str]) -> tuple[str, str] | None:

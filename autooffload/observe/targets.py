@@ -28,15 +28,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .ours import ours
 from .stacks import plan_stacks
 from .wrapped import wrapper_chain
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
+
+
+class Foreign(NamedTuple):
+    """A checkpointed module whose function autooffload cannot steer: left as it is, named in a warning
+    (:mod:`.paths`), and watched, so that a change of it (a test's patch undone) is read again."""
+
+    name: str
+    function: Callable[..., Any]
+    module: torch.nn.Module
+    attribute: str
 
 
 @dataclasses.dataclass
@@ -75,9 +86,11 @@ def checkpoint_wrapper_type() -> type | None:
 
 
 def torch_checkpoint_kwargs(function: Callable[..., Any]) -> dict[str, Any] | None:
-    """The checkpoint kwargs behind ``function``, or None if it is not a checkpoint autooffload knows."""
-    if getattr(function, "_autooffload_kwargs", None) is not None:
-        return dict(function._autooffload_kwargs)
+    """The checkpoint kwargs behind ``function``, or None if it is not a checkpoint autooffload knows: one of
+    autooffload's own functions (:mod:`.ours`, by identity) or a partial over torch's or transformers' checkpoint."""
+    made = ours(function)
+    if made is not None:
+        return dict(made.kwargs)
     if not isinstance(function, functools.partial):
         return None
     inner = function.func
@@ -103,24 +116,21 @@ def _transformers_major() -> int:
         return 5
 
 
-def find_targets(
-    model: torch.nn.Module,
-) -> tuple[list[CheckpointTarget], list[tuple[str, Callable[..., Any]]]]:
-    """Checkpointed modules of ``model`` in module order, each marked planned (``text``) or not, and (name, function)
-    of those it cannot control."""
+def find_targets(model: torch.nn.Module) -> tuple[list[CheckpointTarget], list[Foreign]]:
+    """Checkpointed modules of ``model`` in module order, each marked planned (``text``) or not, and those it cannot
+    control."""
     found, unknown = checkpointed_modules(model)
     mark_planned(found, plan_stacks(model, found)[0])
     return found, unknown
 
 
-def checkpointed_modules(
-    model: torch.nn.Module,
-) -> tuple[list[CheckpointTarget], list[tuple[str, Callable[..., Any]]]]:
+def checkpointed_modules(model: torch.nn.Module) -> tuple[list[CheckpointTarget], list[Foreign]]:
     """Checkpointed modules of ``model`` in module order, classified (layer, container, outer, inner) but not yet
-    marked planned, and (name, function) of those it cannot control."""
+    marked planned, and those it cannot control. A function of autooffload's own is read as the function it
+    replaced (:mod:`.ours`); anything else, a wrapper around one of autooffload's included, as what it is."""
     wrapper_type = checkpoint_wrapper_type()
     found: list[CheckpointTarget] = []
-    unknown: list[tuple[str, Callable[..., Any]]] = []
+    unknown: list[Foreign] = []
     for name, module in model.named_modules():
         if wrapper_type is not None and isinstance(module, wrapper_type):
             attribute = "checkpoint_fn"
@@ -131,10 +141,11 @@ def checkpointed_modules(
         else:
             continue
         function = getattr(module, attribute)
-        original = getattr(function, "_autooffload_original", function)
+        made = ours(function)
+        original = made.original if made is not None else function
         controllable = _controllable(function, original)
         if controllable is None:
-            unknown.append((name or type(module).__name__, function))
+            unknown.append(Foreign(name or type(module).__name__, function, module, attribute))
             continue
         kwargs, wrappers = controllable
         found.append(CheckpointTarget(name, module, attribute, original, kwargs, wrappers=wrappers))
