@@ -15,14 +15,8 @@ from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings, SettingsError
 from autooffload.apply import host_memory
-from autooffload.apply.host_memory import (
-    PAGE,
-    RELEASE_AFTER_STEPS,
-    HostMemory,
-    node_budget,
-    page_round,
-    ranks_per_node,
-)
+from autooffload.apply.host_budget import node_budget, ranks_per_node
+from autooffload.apply.host_memory import PAGE, RELEASE_AFTER_STEPS, HostMemory, page_round
 from autooffload.history import read_history
 
 CPU = torch.device("cpu")

@@ -39,70 +39,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import mmap
-import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-from ..observe.host_limits import Limit, host_memory, machine_memory, read_limits, tightest
-from ..settings import PAGE, parse_host_memory
+from ..observe.host_limits import Limit, host_memory, read_limits
+from ..settings import PAGE
 from ..warn import WarnOnce
+from .host_budget import process_budget, ranks_per_node
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 256
 SLACK = 2  # without expect(): a free buffer serves a request of at least 1 / SLACK of its size
-
-
-LOCAL_SIZE_VARIABLES = (
-    "LOCAL_WORLD_SIZE",  # torchrun, accelerate
-    "LOCAL_SIZE",  # the deepspeed launcher
-    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
-    "MPI_LOCALNRANKS",  # MPICH, Intel MPI
-    "MV2_COMM_WORLD_LOCAL_SIZE",  # MVAPICH
-)
-
-
-def ranks_per_node() -> int:
-    """How many processes of the job share this host, from the first launcher variable set
-    (:data:`LOCAL_SIZE_VARIABLES`), else 1."""
-    for name in LOCAL_SIZE_VARIABLES:
-        try:
-            return max(1, int(os.environ[name]))
-        except (KeyError, ValueError):
-            continue
-    return 1
-
-
-def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = machine_memory) -> int:
-    """Bytes of host memory the whole node may hold for offload, from ``AUTOOFFLOAD_HOST_MEMORY``.
-
-    A fraction is of ``memory()``'s total; ``auto`` is half of what is available now (at start).
-    """
-    kind, value = parse_host_memory(setting)
-    if kind == "bytes":
-        return int(value)
-    available, total = memory()
-    return int(value * (available if kind == "auto" else total))
-
-
-def process_budget(setting: str, limits: list[Limit], ranks: int) -> tuple[int, str]:
-    """This process's share of host memory for offload, and the limit that set it.
-
-    The machine's and a container's limits are the node's, shared by its ``ranks``: the node's budget over them.
-    A process limit (``RLIMIT_AS``, ``RLIMIT_DATA``) is this process's own: the setting applies to it whole. A
-    size given in bytes is the node's as given (each new buffer is still checked against every limit).
-    """
-    kind, _ = parse_host_memory(setting)
-    if kind == "bytes":
-        return node_budget(setting) // ranks, "AUTOOFFLOAD_HOST_MEMORY"
-    candidates = []
-    for group, share in (([x for x in limits if x.shared], ranks), ([x for x in limits if not x.shared], 1)):
-        if group:
-            binding = tightest(group) if kind == "auto" else min(group, key=lambda x: x.total)
-            candidates.append((node_budget(setting, lambda b=binding: (b.available, b.total)) // share, binding.name))
-    return min(candidates)
 
 
 def page_round(nbytes: int) -> int:
@@ -217,8 +168,10 @@ class HostMemory:
         self._told = False  # expect() was called: larger free buffers are lent where the budget holds the rest
         self.pinned_bytes = 0
         self.peak_held_bytes = 0
-        self.allocations = 0
-        self.releases = 0
+        # Running totals (autooffload.observe.costs): requests, new buffers, pinned ones and the time pinning took,
+        # releases, and host waits for the device (a drain; a copy to or from a buffer that is not pinned: two).
+        self.takes = self.allocations = self.registrations = self.releases = self.syncs = 0
+        self.pin_seconds = 0.0
         self.step = 0
         self._free: dict[torch.device, list[HostBuffer]] = {}
         self._lock = threading.RLock()  # give() runs from finalizers, possibly inside take() on this thread
@@ -242,7 +195,7 @@ class HostMemory:
         failed). Lent to a short micro-batch's small input, a long one's buffer would hold the budget its other
         inputs need."""
         with self._lock:
-            size = page_round(nbytes)
+            size, self.takes = page_round(nbytes), self.takes + 1
             self._expected = expected = max(self._expected - size, 0)  # what this micro-batch asks for after this
             free = self._free.get(device, [])
             fits = sorted((b for b in free if b.nbytes >= nbytes), key=_size)
@@ -282,6 +235,7 @@ class HostMemory:
         self._free[buffer.device].remove(buffer)
         buffer.last_step = self.step
         self.lent_bytes += buffer.nbytes
+        self.syncs += 2 if not buffer.pinned and buffer.device.type == "cuda" else 0
         return buffer
 
     def set_budget(self, setting: str) -> None:
@@ -355,6 +309,7 @@ class HostMemory:
         pinned = self.pin and self._pin(tensor)
         buffer = HostBuffer(tensor, pinned, device, self.step)
         self.allocations += 1
+        self.syncs += 2 if not pinned and device.type == "cuda" else 0
         self.held_bytes += size
         self.lent_bytes += size
         self.pinned_bytes += size if pinned else 0
@@ -364,8 +319,10 @@ class HostMemory:
     def _pin(self, tensor: torch.Tensor) -> bool:
         if self.pinning_failed:
             return False
+        began = time.perf_counter()
         try:
             self.register(tensor)
+            self.registrations += 1
         except Exception as error:  # a cap on pinned memory must not end the step
             self.pinning_failed = True
             self.warn(
@@ -374,6 +331,8 @@ class HostMemory:
                 "continues with pageable memory, whose copies do not overlap compute (slower, still correct)",
             )
             return False
+        finally:
+            self.pin_seconds += time.perf_counter() - began
         return True
 
     def _release(self, buffers: list[HostBuffer], needed: int | None) -> None:
@@ -385,6 +344,7 @@ class HostMemory:
             if buffer.pinned and buffer.device not in drained:
                 self.drain(buffer.device)
                 drained.add(buffer.device)
+                self.syncs += 1
             self._free[buffer.device].remove(buffer)
             if buffer.pinned:
                 self.unregister(buffer.tensor)
