@@ -81,7 +81,7 @@ class OffloadController(Run):
             if not layout.unknown:  # otherwise checkpointing is on, and a warning named the function it runs
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.host.set_budget(self.settings.host_memory)
+        self.host.set_budget(self.settings.host_memory, layout.devices)
         self.record.costs.start(self.host, self.memory.read_seconds)
         frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
         self.switch = CheckpointSwitch(
