@@ -218,9 +218,15 @@ class Mode:
             self.host.release_all()
 
 
-def run_step(mode: Mode, ids: torch.Tensor, cpu_peaks: bool, watch: GcWatch) -> dict[str, Any]:
-    """One forward and backward under ``mode``: time (CUDA events; a CPU: the process's CPU time), the step's peak,
-    the plan, Python's collections, and autooffload's own costs."""
+def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def run_step(
+    mode: Mode, ids: torch.Tensor, cpu_peaks: bool, watch: GcWatch, loss_of: Any = causal_lm_loss
+) -> dict[str, Any]:
+    """One forward (``loss_of(model, ids)``) and backward under ``mode``: time (CUDA events; a CPU: the process's
+    CPU time), the step's peak, the plan, Python's collections, and autooffload's own costs."""
     model, cuda = mode.model, ids.device.type == "cuda"
     mode.activate()
     window = AllocationPeak() if cpu_peaks else None
@@ -239,7 +245,7 @@ def run_step(mode: Mode, ids: torch.Tensor, cpu_peaks: bool, watch: GcWatch) -> 
             if window is not None:
                 window.start()
         with mode.forward():
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss_of(model, ids)
         plan = mode.plan()
         loss.backward()
         if cuda:
