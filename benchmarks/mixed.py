@@ -312,7 +312,7 @@ def run_variant(
                 if mode.name in failed:
                     continue
                 try:
-                    row = run_step(mode, ids, device == "cpu" and variant == "budget", watch)  # room: no peak needed
+                    row = run_step(mode, ids, device == "cpu", watch)
                 except Exception as error:  # one mode that cannot run (a peer on this torch) leaves the others be
                     failed[mode.name] = f"failed at pass {index}: {type(error).__name__}: {str(error)[:300]}"
                     model.zero_grad(set_to_none=True)
