@@ -81,7 +81,8 @@ class OffloadController(Run):
             if not layout.unknown:  # otherwise checkpointing is on, and a warning named the function it runs
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
-        self.host.set_budget(self.settings.host_memory)
+        self.host.set_budget(self.settings.host_memory, layout.devices)
+        self.record.costs.start(self.host, self.memory.read_seconds)
         frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
@@ -287,11 +288,10 @@ class OffloadController(Run):
         rescued = self.memory.rescuing
         moved = self.record.close_step()  # what fell short says nothing of a layer input's bytes
         self.sizes.end_step(moved, measure=not rescued and not self.record.last_step_short_bytes)
-        peak = self.memory.end_step()
-        self.planner.end_step(peak, clean=self.memory.last.clean and not rescued)
+        self.planner.end_step(self.memory.end_step(), clean=self.memory.last.clean and not rescued)  # the reading first
         self.host.end_step()
-        last, layers = self.memory.last, len(self.switch.layers) if self.switch is not None else None
-        self.record.end_step(rescued, (last.fraction, last.bytes, last.total), layers, self.settings)
+        layers = len(self.switch.layers) if self.switch is not None else None
+        self.record.end_step(rescued, self.memory.last, layers, self.settings, (self.host, self.memory.read_seconds))
 
     @guarded("load")
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -28,6 +28,11 @@ A record (one JSON object per line, keys in this order):
   offloaded (policies with a ``predict(tokens, bytes_per_layer)`` method; ``null`` otherwise).
 - ``layers``, ``mode``, ``seq_high``, ``seq_low``, ``memory_high``, ``memory_low``: what the decisions were
   made against.
+- What the step cost beside its compute (:mod:`autooffload.observe.costs`; 0 where nothing happened):
+  ``gc_collections``, ``gc_seconds``, ``gc_collected`` (Python's garbage collections in the step, their time and
+  the objects they freed), ``host_takes``, ``host_allocations``, ``host_registrations``, ``host_releases``
+  (host buffers asked for, newly mapped, pinned, given back), ``pin_seconds`` (the time pinning took),
+  ``probe_seconds`` (reading the memory probe) and ``syncs`` (host waits for the device that autooffload caused).
 
 No torch and no controller import: the recorder is handed plain values.
 """
@@ -43,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .observe.costs import FIELDS as COST_FIELDS
 from .settings import shown
 
 HISTORY_DIR = "autooffload"
@@ -98,6 +104,16 @@ class StepRecord:
     seq_low: int
     memory_high: float
     memory_low: float
+    gc_collections: int = 0
+    gc_seconds: float = 0.0
+    gc_collected: int = 0
+    host_takes: int = 0
+    host_allocations: int = 0
+    host_registrations: int = 0
+    host_releases: int = 0
+    pin_seconds: float = 0.0
+    probe_seconds: float = 0.0
+    syncs: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -152,10 +168,11 @@ class HistoryRecorder:
         memory: tuple[float | None, int | None, int | None],
         layers: int,
         settings: Any,
+        costs: dict[str, float] | None = None,
     ) -> StepRecord:
         """Close step ``step`` (counted as Trainer counts ``global_step``): ``moved``, the bytes moved and kept
         short; ``memory``, the reading (fraction, bytes, device bytes); ``settings``, what the decisions were
-        made against."""
+        made against; ``costs``, what the step cost beside its compute (the record's fields of that name)."""
         shapes = self._micro_batches
         fraction, used, total = memory
         record = StepRecord(
@@ -179,6 +196,7 @@ class HistoryRecorder:
             seq_low=settings.seq_low,
             memory_high=settings.memory_high,
             memory_low=settings.memory_low,
+            **{name: value for name, value in (costs or {}).items() if name in COST_FIELDS},  # type: ignore[arg-type]
         )
         self._micro_batches, self._kept, self._predicted, self._switches = [], [], None, 0
         self.pending.append(record)

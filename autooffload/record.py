@@ -17,6 +17,8 @@ from .apply.offload import OffloadStats
 from .decide.planner import Plan
 from .distributed import RankPeak
 from .history import HistoryRecorder
+from .observe.costs import StepCosts
+from .observe.memory import Reading
 
 logger = logging.getLogger("transformers.autooffload")
 
@@ -28,6 +30,8 @@ class RunRecord:
         self.warn = warn
         self.stats = OffloadStats()
         self.reinstalls = 0  # switches rebuilt because a trainer replaced the functions, over the object's life
+        self.costs = StepCosts()  # what each step cost beside its compute (collections, host buffers, the probe)
+        self.last_step_costs: dict[str, float] = {}
         self._cap_logged = False
         self.reset()
 
@@ -111,14 +115,18 @@ class RunRecord:
         return self.last_step_bytes
 
     def end_step(
-        self, rescued: bool, memory: tuple[float | None, int | None, int | None], layers: int | None, settings: Any
+        self, rescued: bool, reading: Reading, layers: int | None, settings: Any, sources: tuple[Any, float]
     ) -> None:
-        """Count the step; with ``layers`` (attached), close its history record."""
+        """Count the step; with ``layers`` (attached), close its history record. ``reading``: the step's memory
+        reading; ``sources``: the host memory manager and the probe's time so far, whose counts since the last step
+        are what it cost beside its compute (:mod:`autooffload.observe.costs`)."""
         self.step += 1
+        self.last_step_costs = self.costs.take(*sources)
         if layers is None:
             return
         moved = (self.last_step_bytes, self.last_step_short_bytes)
-        self.history.end_step(self.step, moved, rescued, memory, layers, settings)
+        memory = (reading.fraction, reading.bytes, reading.total)
+        self.history.end_step(self.step, moved, rescued, memory, layers, settings, self.last_step_costs)
         if self.history.dropped:
             self.warn(
                 "history-dropped",

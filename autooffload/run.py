@@ -171,6 +171,7 @@ class Run:
         releases them (``host.release_all()``); they do not go with the controller, which the functions left
         installed on the model (``detach(restore=False)``) keep alive."""
         self._attached_identity = None
+        self.record.costs.stop()
         self.fallback.let_go()
         self.memory.detach()
         self.sizes.detach()
@@ -215,6 +216,11 @@ class Run:
     def last_step_bytes(self) -> int:
         """Bytes moved to host memory in the last optimizer step."""
         return self.record.last_step_bytes
+
+    @property
+    def last_step_costs(self) -> dict[str, float]:
+        """What the last optimizer step cost beside its compute (:mod:`autooffload.observe.costs`)."""
+        return self.record.last_step_costs
 
     @property
     def memory_fraction(self) -> float | None:

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autooffload
 from autooffload import OffloadController, OffloadStats, Settings
 from autooffload.apply.host_memory import HostMemory
+from autooffload.observe.costs import GcWatch
 
 MODES = ("checkpointing", "always", "on", "auto")
 MIB = 2**20
@@ -249,6 +250,9 @@ class Step:
     packed: int | None  # bytes the offload hooks moved to the host, where counted
     offloaded: bool
     cpu_seconds: float | None = None  # CPU: this process's CPU time, less disturbed by other processes
+    gc_collections: int = 0  # Python's garbage collections in the step, and their time (every mode)
+    gc_seconds: float = 0.0
+    costs: dict[str, float] | None = None  # autooffload's own: autooffload.observe.costs
 
 
 def run_step(mode: Mode, ids: torch.Tensor) -> Step:
@@ -260,8 +264,12 @@ def run_step(mode: Mode, ids: torch.Tensor) -> Step:
         mode.deactivate()
 
 
+GC = GcWatch()  # started by main(): the collections of every mode's steps
+
+
 def _timed_step(model: torch.nn.Module, mode: Mode, ids: torch.Tensor) -> Step:
     cuda = ids.device.type == "cuda"
+    collections, gc_seconds = GC.collections, GC.seconds
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -285,7 +293,10 @@ def _timed_step(model: torch.nn.Module, mode: Mode, ids: torch.Tensor) -> Step:
     del loss
     model.zero_grad(set_to_none=True)
     packed = mode.end_step()
-    return Step(int(ids.shape[-1]), seconds, resident, peak, packed, offloaded, None if cuda else cpu_seconds)
+    step = Step(int(ids.shape[-1]), seconds, resident, peak, packed, offloaded, None if cuda else cpu_seconds)
+    step.gc_collections, step.gc_seconds = GC.collections - collections, round(GC.seconds - gc_seconds, 4)
+    step.costs = mode.controller.last_step_costs if mode.controller is not None else None
+    return step
 
 
 def token_ids(plan: Plan, seq: int, seed: int) -> torch.Tensor:
@@ -685,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(options.threads or 1)
     plan = make_plan(device, options.quick, options.budget_s)
     clock = Clock(plan.budget_s)
+    GC.start()
     env = environment(plan, [sys.argv[0], *argv])
     rows: list[dict[str, Any]] = []
     notes: list[str] = []

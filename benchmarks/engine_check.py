@@ -209,7 +209,7 @@ def step_cost(layers: int, hidden: int, seq: int) -> float:
 
 def time_shape(shape: tuple, vocab: int, measured: int, device: Device) -> dict[str, Any]:
     layers, hidden, seq = shape
-    heads, kv_heads, head_dim = (16, 8, 128) if hidden >= 1024 else (4, 2, hidden // 4)
+    heads, kv_heads, head_dim = (hidden // 128, 8, 128) if hidden >= 1024 else (4, 2, hidden // 4)  # Qwen3 8B: 32 x 128
     model = qwen3(layers, hidden, 3 * hidden, heads, kv_heads, head_dim, vocab, torch.bfloat16, device.device)
     layer_bytes = seq * hidden * 2
     blocks: dict[str, Any] = {}

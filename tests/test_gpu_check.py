@@ -39,16 +39,37 @@ def test_quick_cpu_run_exercises_every_part(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]  # a device call brings back 8 at most
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
-    assert set(parts) == set(gpu_check.PARTS)
+    assert (
+        list(parts)
+        == list(gpu_check.DEFAULT_PARTS)
+        == ["mixed", "seed", "engines", "pinning", "ladder", "memory_model"]
+    )
     for name, part in parts.items():
         assert "error" not in part and "skipped" not in part, (name, part)
+    # The mixed trace: both variants, every mode but torchtune's (CUDA only), the controllers kept across passes.
+    mixed = parts["mixed"]["mixed"]
+    assert set(mixed["results"]) == {"room", "budget"}
+    for result in mixed["results"].values():
+        assert set(result["modes"]) == {"plain", "offload=True", "on/sync", "on/stream", "auto", "auto/stream",
+                                        "auto/stream/keep"}  # fmt: skip
+        assert result["timed_passes"] == 2 and "torchtune" in result["skipped"]
+        assert all(len(m["pass_s"]) == 2 and m["spread"] is not None for m in result["modes"].values())
+    room = mixed["results"]["room"]["modes"]
+    assert room["auto"]["long_offloaded"] == [0, 0]  # a reading and the arithmetic: room, nothing to offload
+    assert room["on/sync"]["long_offloaded"] == [2, 2] and room["auto/stream/keep"]["kept"][-1] == 2
+    assert set(mixed["verdicts"]) >= {"auto_faster_than_offload_true", "auto_stream_keep_never_over_budget"}
+    assert set(parts["seed"]["modes"]) == set(gpu_check.SEED_MODES)
+    assert set(parts["pinning"]["runs"]) == {"omp1", "threads"}
+    for pinned in parts["pinning"]["runs"].values():
+        ways = [row["way"] for row in pinned["step"]]
+        assert ways[:2] == ["compute alone", "in step"] and "ahead, 2 threads" in ways
     assert parts["engines"]["verdicts"] == {"gradients_match_plain": True}
-    assert parts["smoke"]["verdicts"] == {"fsdp2_bytes_match_arithmetic": True}
     assert parts["ladder"]["verdicts"] == {f"scenario_{s}_safe": True for s in "abc"}
+    assert {r["engine"] for r in parts["ladder"]["ladder"]["results"]} == {"stream"}
     compared = [row for row in parts["memory_model"]["rows"] if "real_over_predicted" in row]
     assert compared, "the memory model part compared no prediction with a reading"
     summary = (tmp_path / "gpu_check.md").read_text()
-    assert "| engines | done |" in summary and "## Verdicts" in summary
+    assert "| mixed | done |" in summary and "## Verdicts" in summary and "| smoke | not run |" in summary
 
 
 def test_a_part_that_overruns_is_killed_and_reported(tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from autooffload import AutoOffloadWarning
-from autooffload.apply.host_memory import HostMemory, process_budget
+from autooffload.apply.host_budget import process_budget
+from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.host_limits import Limit, read_limits, tightest
 
 GIB = 2**30

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import warnings
 
 import pytest
@@ -14,15 +15,9 @@ from conftest import HIDDEN, LAYERS, expected_bytes, model, random_ids, train
 from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings, SettingsError
-from autooffload.apply import host_memory
-from autooffload.apply.host_memory import (
-    PAGE,
-    RELEASE_AFTER_STEPS,
-    HostMemory,
-    node_budget,
-    page_round,
-    ranks_per_node,
-)
+from autooffload.apply import host_memory, pinning
+from autooffload.apply.host_budget import node_budget, ranks_per_node
+from autooffload.apply.host_memory import PAGE, RELEASE_AFTER_STEPS, HostMemory, page_round
 from autooffload.history import read_history
 
 CPU = torch.device("cpu")
@@ -274,7 +269,7 @@ def test_a_failed_pinning_call_leaves_no_cuda_error_behind(monkeypatch):
         if error:
             raise RuntimeError(f"CUDA error {error}")
 
-    monkeypatch.setattr(host_memory, "launch_kernel", launch_check, raising=False)
+    monkeypatch.setattr(pinning, "launch_kernel", launch_check, raising=False)
     host = HostMemory(pin=True, memory=lambda: PLENTY)
     with pytest.warns(AutoOffloadWarning, match="pageable"):
         buffer = host.take(PAGE, CPU)
@@ -511,3 +506,76 @@ def test_the_history_and_the_logs_say_what_really_moved_when_host_memory_falls_s
     assert [h["autooffload/active"] for h in logged] == [(LAYERS - short_layers) / LAYERS] * 3
     assert [h["autooffload/short_bytes"] for h in logged] == [short] * 3
     assert f"{3 * short / 2**20:.1f} MiB stayed on the device" in callback.controller.summary()
+
+
+# ---- pinning ahead of the forward ----------------------------------------------------------------------------
+
+GPU = torch.device("cuda", 0)  # a key only: the stand-ins pin nothing
+
+
+class Gated(Pinning):
+    """Pinning whose registrations record their thread and wait, each, for the test to let them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+        self.gates: list[threading.Event] = [threading.Event() for _ in range(8)]
+
+    def register(self, buffer: torch.Tensor) -> None:
+        index = len(self.threads)
+        self.threads.append(threading.get_ident())
+        assert self.gates[index].wait(timeout=30)
+        super().register(buffer)
+
+
+def test_the_buffers_a_micro_batch_will_need_are_pinned_ahead_on_threads_and_each_request_waits_for_its_own():
+    pinning = Gated()
+    host = pinning.host(budget_bytes=10 * PAGE, prepare_threads=1)
+    host.set_budget("auto", [GPU])
+    pinning.gates[0].set()
+    held = host.take(2 * PAGE, GPU)  # an earlier micro-batch's buffer, pinned in its step, free again below
+    host.give(held)
+    # The next micro-batch asks for 2, 2 and 3 pages: the free buffer serves the first, two are prepared ahead.
+    host.expect([2 * PAGE, 2 * PAGE, 3 * PAGE])
+    assert host.take(2 * PAGE, GPU) is held
+    pinning.gates[1].set()  # the second buffer's registration may finish; the third's may not yet
+    second = host.take(2 * PAGE, GPU)
+    assert second.pinned and second.nbytes == 2 * PAGE and host._preparing == [3 * PAGE]
+    pinning.gates[2].set()
+    third = host.take(3 * PAGE, GPU)
+    assert third.pinned and host.allocations == 3 and host.held_bytes == 7 * PAGE
+    assert threading.get_ident() == pinning.threads[0] and threading.get_ident() not in pinning.threads[1:]
+    assert host.registrations == 3
+
+
+def test_pinning_ahead_stays_within_the_budget_and_what_the_host_has_free():
+    pinning = Pinning()
+    host = pinning.host(budget_bytes=5 * PAGE, prepare_threads=2)
+    host.set_budget("auto", [GPU])
+    host.expect([2 * PAGE, 2 * PAGE, 2 * PAGE])  # the third would pass the budget: take() decides for it
+    host.release_all()  # waits for those being prepared
+    assert host.allocations == 2 and host.held_bytes == 0 and len(pinning.unpinned) == 2
+    tight = Pinning().host(memory=lambda: (PLENTY[1] // 10 + 3 * PAGE, PLENTY[1]), prepare_threads=2)
+    tight.set_budget("auto", [GPU])
+    tight.expect([2 * PAGE, 2 * PAGE])  # 10% of the host stays free: one of them fits beside it
+    tight.release_all()
+    assert tight.allocations == 1
+
+
+def test_a_model_not_on_one_cuda_device_prepares_nothing():
+    for devices in ([CPU], [GPU, torch.device("cuda", 1)], []):
+        host = Pinning().host(prepare_threads=2)
+        host.set_budget("auto", devices)
+        host.expect([2 * PAGE])
+        assert host.allocations == 0 and not host._preparing
+
+
+def test_a_registration_that_fails_ahead_leaves_a_pageable_buffer_and_one_warning():
+    host = Pinning(fail_at=1).host(prepare_threads=1)
+    host.set_budget("auto", [GPU])
+    with pytest.warns(AutoOffloadWarning, match="pageable"):
+        host.expect([2 * PAGE])
+        buffer = host.take(2 * PAGE, GPU)
+    assert not buffer.pinned and host.pinning_failed and host.allocations == 1
+    host.expect([3 * PAGE])  # after a failure nothing more is prepared: pinning is off for the run
+    assert not host._preparing

@@ -25,6 +25,7 @@ from lightning_worker import HIDDEN, LAYERS, RANK_LENGTHS, CausalLM, fit, parame
 from autooffload import AutoOffloadWarning, SettingsError, lifecycle
 from autooffload.history import read_history
 from autooffload.integrations.lightning import AutoOffload
+from autooffload.observe.costs import FIELDS as COSTS
 
 TESTS = Path(__file__).resolve().parent
 LENGTHS = [64, 64, 512, 64, 64, 64, 384, 64]
@@ -97,7 +98,11 @@ def test_resume_from_a_lightning_checkpoint_continues_the_run_exactly(tmp_path):
     # losses and parameters.
     records = read_history(resumed.history_path)
     assert records[2]["offloaded"] == [LAYERS, LAYERS] and records[2]["reasons"] == ["dwell", "dwell"]
-    assert resumed.history_path.read_text() == written
+    # Less what each step cost beside its compute (collections, seconds): a measurement of the process, not a decision.
+    whole_records = [json.loads(line) for line in written.splitlines()]
+    assert [{k: v for k, v in r.items() if k not in COSTS} for r in records] == [
+        {k: v for k, v in r.items() if k not in COSTS} for r in whole_records
+    ]
     assert resumed.controller.state_dict() == whole.controller.state_dict()
     assert module.losses == uninterrupted.losses[4:]
     assert parameters(module) == parameters(uninterrupted)

@@ -115,6 +115,16 @@ def test_nvml_by_uuid_reads_the_step_peak_plus_what_lies_outside_the_allocator()
     assert probe.read().used_bytes == 9 * GiB
 
 
+def test_a_peek_reads_the_step_so_far_and_leaves_its_peak_counting():
+    cuda = FakeCuda()
+    probe = NvmlProbe("cuda:0", cuda=cuda, nvml=FakeNvml(cuda))
+    probe.reset()
+    cuda.step(0, peak=30 * GiB, end=2 * GiB)  # the backward, before the optimizer's first step
+    assert probe.peek().used_bytes == 31 * GiB
+    cuda.step(0, peak=20 * GiB, end=3 * GiB)  # the optimizer step: lower, so the step's peak stays the backward's
+    assert probe.read().used_bytes == 31 * GiB
+
+
 def test_allocator_retries_in_a_step_read_as_a_full_device_and_switch_offload_on():
     cuda = FakeCuda()
     net = model()

@@ -173,6 +173,28 @@ def test_the_peak_is_the_allocators_own_as_torch_profiler_shows_it(kind, plan):
         assert peak["step"] > saved["activations"] + saved["gradients"]
 
 
+@pytest.mark.parametrize("seq", [64, 512])
+def test_the_first_sample_counts_the_optimizer_state_once(seq):
+    # AdamW makes its state at the first step(), inside step 0's window. At 64 tokens the optimizer step is the
+    # peak and step 0's reading holds the state (counting it again made the first sample 42% larger than the same
+    # length's later ones); at 512 the backward is, and the state is still to come. Either way the first sample
+    # is what the same length reads once the state exists.
+    net = model()
+    net.gradient_checkpointing_enable({"use_reentrant": False})
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    controller = OffloadController(Settings(), probe=SimulatedDevice(2**34))
+    controller.attach(net, optimizer=optimizer)
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(step))
+        net(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_step()
+    first, *later = [plain for _, plain, _ in controller.policy.samples]
+    assert all(first == pytest.approx(other, rel=1e-3) for other in later), (first, later)
+    controller.detach()
+
+
 def test_a_profiler_already_running_falls_back_to_the_saved_count_with_one_warning():
     net = _small()
     device = SimulatedDevice(10**6)

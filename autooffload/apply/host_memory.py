@@ -22,14 +22,17 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
   (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
   already held are reused without asking: they are not free memory, but they are ours.
-- **Release.** Pinning is slow: on an H200 machine 3.6 GiB of new buffers added about 1.5 s to the 2.0 s
-  32k-token step that needed them (``benchmarks/host_pinning.py``), and a long micro-batch that comes back after
-  a few short ones must find its buffers still there. So a free buffer is released when the host runs short
-  (less than ``min_free`` free after an optimizer step: of the buffers that step did not use, the longest unused
-  first, as many as the host lacks), when it has gone unused for ``release_after`` optimizer steps (offload off
-  for a long while, or sizes that no longer come), to make room under the budget, and when the manager itself
-  goes. Before a release each device whose buffers go is drained once (all its streams), so no copy still in
-  flight reads a page that is being unmapped.
+- **Release.** Pinning is slow (below), and a long micro-batch that comes back after a few short ones must find
+  its buffers still there. So a free buffer is released when the host runs short (less than ``min_free`` free
+  after an optimizer step: of the buffers that step did not use, the longest unused first, as many as the host
+  lacks), after ``release_after`` optimizer steps unused, to make room under the budget, and when the manager
+  goes. Each device whose buffers go is drained once first, so no copy in flight reads an unmapped page.
+- **Pinning ahead.** A new buffer costs its page faults and its registration (3.1 GB/s on an H200 machine: 1.2 s
+  for a 32k-token micro-batch's 3.6 GiB, inside its forward; ``benchmarks/host_pinning.py``). When the
+  controller says what a micro-batch will ask for (:meth:`HostMemory.expect`) and the model is on one CUDA
+  device, the buffers no free one serves are mapped and pinned at once on ``prepare_threads`` threads (the
+  registration releases the GIL), in the order the layers ask, while the forward computes; a request waits
+  only for its own (``pin_seconds``: the time the step waited).
 - **Pinning that fails** (WSL caps pinned memory at 1-2 GiB; a driver or container limit): the buffer
   stays pageable, with one warning, and so do later ones; copies into it do not overlap compute.
 """
@@ -38,121 +41,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import mmap
-import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 import torch
 
-from ..observe.host_limits import Limit, host_memory, machine_memory, read_limits, tightest
-from ..settings import PAGE, parse_host_memory
+from ..observe.host_limits import Limit, host_memory, read_limits
+from ..settings import PAGE
 from ..warn import WarnOnce
+from .host_budget import process_budget, ranks_per_node
+from .pinning import cuda_drain, cuda_register, cuda_unregister, pageable
 
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 256
+_age, _size = attrgetter("last_step"), attrgetter("nbytes")  # sort keys of buffers
 SLACK = 2  # without expect(): a free buffer serves a request of at least 1 / SLACK of its size
-
-
-LOCAL_SIZE_VARIABLES = (
-    "LOCAL_WORLD_SIZE",  # torchrun, accelerate
-    "LOCAL_SIZE",  # the deepspeed launcher
-    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
-    "MPI_LOCALNRANKS",  # MPICH, Intel MPI
-    "MV2_COMM_WORLD_LOCAL_SIZE",  # MVAPICH
-)
-
-
-def ranks_per_node() -> int:
-    """How many processes of the job share this host, from the first launcher variable set
-    (:data:`LOCAL_SIZE_VARIABLES`), else 1."""
-    for name in LOCAL_SIZE_VARIABLES:
-        try:
-            return max(1, int(os.environ[name]))
-        except (KeyError, ValueError):
-            continue
-    return 1
-
-
-def node_budget(setting: str, memory: Callable[[], tuple[int, int]] = machine_memory) -> int:
-    """Bytes of host memory the whole node may hold for offload, from ``AUTOOFFLOAD_HOST_MEMORY``.
-
-    A fraction is of ``memory()``'s total; ``auto`` is half of what is available now (at start).
-    """
-    kind, value = parse_host_memory(setting)
-    if kind == "bytes":
-        return int(value)
-    available, total = memory()
-    return int(value * (available if kind == "auto" else total))
-
-
-def process_budget(setting: str, limits: list[Limit], ranks: int) -> tuple[int, str]:
-    """This process's share of host memory for offload, and the limit that set it.
-
-    The machine's and a container's limits are the node's, shared by its ``ranks``: the node's budget over them.
-    A process limit (``RLIMIT_AS``, ``RLIMIT_DATA``) is this process's own: the setting applies to it whole. A
-    size given in bytes is the node's as given (each new buffer is still checked against every limit).
-    """
-    kind, _ = parse_host_memory(setting)
-    if kind == "bytes":
-        return node_budget(setting) // ranks, "AUTOOFFLOAD_HOST_MEMORY"
-    candidates = []
-    for group, share in (([x for x in limits if x.shared], ranks), ([x for x in limits if not x.shared], 1)):
-        if group:
-            binding = tightest(group) if kind == "auto" else min(group, key=lambda x: x.total)
-            candidates.append((node_budget(setting, lambda b=binding: (b.available, b.total)) // share, binding.name))
-    return min(candidates)
+PREPARE_THREADS = 2  # threads that map and pin a micro-batch's new buffers ahead of its forward (0: in the step)
+PREPARE_WAIT_S = 30.0  # the longest a request waits for a buffer being prepared before it makes its own
 
 
 def page_round(nbytes: int) -> int:
     return -(-max(nbytes, 1) // PAGE) * PAGE
-
-
-def pageable(nbytes: int) -> torch.Tensor:
-    """An anonymous mapping of ``nbytes`` (a multiple of the page size) as a uint8 tensor; unmapped when the
-    tensor dies, so the memory really goes back to the operating system."""
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-
-
-def cuda_register(buffer: torch.Tensor) -> None:
-    """Pin ``buffer`` in place (``cudaHostRegister``, portable across devices)."""
-    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1))
-    if code != 0:
-        consume_cuda_error()
-        raise RuntimeError(f"cudaHostRegister failed with cudaError {code}")
-
-
-def cuda_unregister(buffer: torch.Tensor) -> None:
-    if int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())) != 0:
-        consume_cuda_error()
-
-
-def consume_cuda_error() -> None:
-    """Clear the CUDA runtime's last error after a failed call torch does not check (its cudart bindings
-    return the code and leave the error set): torch's next kernel launch would otherwise raise it, in the
-    middle of a step. A launch of torch's own reads and clears it; that one is caught here."""
-    with contextlib.suppress(RuntimeError):
-        launch_kernel()
-
-
-def launch_kernel() -> None:
-    torch.zeros(1, dtype=torch.uint8, device="cuda")
-
-
-def cuda_drain(device: torch.device) -> None:
-    """Wait for every stream of ``device`` (the copy streams too); ``synchronize()`` alone waits only for
-    the current device, and a process may drive several."""
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
-
-
-def _age(buffer: HostBuffer) -> int:
-    return buffer.last_step
-
-
-def _size(buffer: HostBuffer) -> int:
-    return buffer.nbytes
 
 
 def _pinning_available() -> bool:
@@ -200,6 +112,7 @@ class HostMemory:
         limits: Callable[[], list[Limit]] = read_limits,
         min_free: float = MIN_FREE,
         release_after: int = RELEASE_AFTER_STEPS,
+        prepare_threads: int | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.pin = _pinning_available() if pin is None else pin
@@ -217,20 +130,88 @@ class HostMemory:
         self._told = False  # expect() was called: larger free buffers are lent where the budget holds the rest
         self.pinned_bytes = 0
         self.peak_held_bytes = 0
-        self.allocations = 0
-        self.releases = 0
+        # Running totals (autooffload.observe.costs): requests, new buffers, pinned ones and the time pinning took,
+        # releases, and host waits for the device (a drain; a copy to or from a buffer that is not pinned: two).
+        self.takes = self.allocations = self.registrations = self.releases = self.syncs = 0
+        self.pin_seconds = 0.0
         self.step = 0
         self._free: dict[torch.device, list[HostBuffer]] = {}
         self._lock = threading.RLock()  # give() runs from finalizers, possibly inside take() on this thread
+        self._landed = threading.Condition(self._lock)  # a buffer prepared ahead joined the free list
+        self._preparing: list[int] = []  # sizes being prepared ahead, in the order they will be asked for
+        self.devices: tuple[torch.device, ...] = ()  # the model's, where the controller said (set_budget)
+        self.prepare_threads = prepare_threads if prepare_threads is not None else PREPARE_THREADS
         self.warn = WarnOnce()
 
     def expect(self, sizes: Iterable[int]) -> None:
         """The micro-batch about to run will ask for buffers of these sizes (its planned layers' inputs, which the
         controller capped at what the budget holds): a free buffer larger than a request is lent only where the
-        rest of them still fit beside it."""
+        rest of them still fit beside it, and those no free buffer serves are prepared ahead (module docs)."""
+        sizes = [page_round(n) for n in sizes]
         with self._lock:
-            self._expected = sum(page_round(n) for n in sizes)
+            self._expected = sum(sizes)
             self._told = True
+            cuda = [device for device in self.devices if device.type == "cuda"]
+            if self.pin and not self.pinning_failed and self.prepare_threads > 0 and len(cuda) == 1:
+                self._prepare(sizes, cuda[0])
+
+    def _prepare(self, sizes: list[int], device: torch.device) -> None:
+        """Map and pin, on threads, the buffers of ``sizes`` that no free buffer (nor one already being prepared)
+        serves, as far as the budget and the host's free memory allow without releasing anything."""
+        spare = sorted([b.nbytes for b in self._free.get(device, [])] + self._preparing)
+        needed = []
+        for size in sizes:
+            fit = next((i for i, have in enumerate(spare) if have >= size), None)
+            if fit is None:
+                needed.append(size)
+            else:
+                del spare[fit]
+        if not needed:
+            return
+        available, total = self.memory()
+        budget = self.budget_bytes if self.budget_bytes is not None else available
+        room = min(budget - self.held_bytes - sum(self._preparing), available - self.min_free * total)
+        while needed and sum(needed) > room:
+            needed.pop()
+        queue = list(needed)
+        self._preparing += needed
+        for _ in range(min(self.prepare_threads, len(needed))):
+            threading.Thread(target=self._prepare_from, args=(queue, device), daemon=True).start()
+
+    def _prepare_from(self, queue: list[int], device: torch.device) -> None:
+        """One preparing thread: the next size of ``queue`` until none is left; each buffer joins the free list."""
+        while True:
+            with self._lock:
+                if not queue:
+                    return
+                size = queue.pop(0)
+            tensor, error = None, None
+            try:
+                tensor = self.allocate(size)
+                self.register(tensor)
+            except Exception as failed:  # take() makes an unmapped one itself; a failed pinning warns below
+                error = failed
+            with self._landed:
+                try:
+                    if tensor is not None:
+                        if error is not None:
+                            self._pin_failed(error)
+                        self.registrations += error is None
+                        self._count_new(HostBuffer(tensor, error is None, device, self.step), size, lent=False)
+                finally:  # whatever happened, no request waits for this one any longer
+                    self._preparing.remove(size)
+                    self._landed.notify_all()
+
+    def _wait_for_prepared(self, nbytes: int, device: torch.device) -> None:
+        """Where no free buffer fits ``nbytes`` but one being prepared ahead will, wait for it to land (the wait
+        counts in ``pin_seconds``: the step's time spent on pinning)."""
+        began = time.perf_counter()
+        while any(size >= nbytes for size in self._preparing) and not any(
+            b.nbytes >= nbytes for b in self._free.get(device, [])
+        ):
+            if not self._landed.wait(timeout=PREPARE_WAIT_S):
+                break
+        self.pin_seconds += time.perf_counter() - began
 
     def take(self, nbytes: int, device: torch.device) -> HostBuffer | None:
         """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short.
@@ -242,7 +223,8 @@ class HostMemory:
         failed). Lent to a short micro-batch's small input, a long one's buffer would hold the budget its other
         inputs need."""
         with self._lock:
-            size = page_round(nbytes)
+            size, self.takes = page_round(nbytes), self.takes + 1
+            self._wait_for_prepared(nbytes, device)
             self._expected = expected = max(self._expected - size, 0)  # what this micro-batch asks for after this
             free = self._free.get(device, [])
             fits = sorted((b for b in free if b.nbytes >= nbytes), key=_size)
@@ -282,11 +264,14 @@ class HostMemory:
         self._free[buffer.device].remove(buffer)
         buffer.last_step = self.step
         self.lent_bytes += buffer.nbytes
+        self.syncs += 2 if not buffer.pinned and buffer.device.type == "cuda" else 0
         return buffer
 
-    def set_budget(self, setting: str) -> None:
+    def set_budget(self, setting: str, devices: Iterable[torch.device] = ()) -> None:
         """This process's share of host memory for offload (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``) under every
-        limit that applies (:func:`process_budget`), unless a budget is set."""
+        limit that applies (:func:`process_budget`), unless a budget is set; ``devices``: the model's, for the
+        buffers prepared ahead."""
+        self.devices = tuple(devices)
         if self.budget_bytes is None:
             self.budget_bytes, self.budget_source = process_budget(setting, self.limits(), ranks_per_node())
 
@@ -333,8 +318,10 @@ class HostMemory:
         return max(int(self.min_free * total) - available, 0)
 
     def release_all(self) -> None:
-        """Release every free buffer (end of training)."""
-        with self._lock:
+        """Release every free buffer (end of training), once those being prepared have landed."""
+        with self._landed:
+            while self._preparing and self._landed.wait(timeout=PREPARE_WAIT_S):
+                pass
             self._release([b for bs in self._free.values() for b in bs], None)
 
     def __del__(self, _finalizing=sys.is_finalizing) -> None:
@@ -354,27 +341,41 @@ class HostMemory:
             return None
         pinned = self.pin and self._pin(tensor)
         buffer = HostBuffer(tensor, pinned, device, self.step)
+        self._count_new(buffer, size, lent=True)
+        self.syncs += 2 if not pinned and device.type == "cuda" else 0
+        return buffer
+
+    def _count_new(self, buffer: HostBuffer, size: int, lent: bool) -> None:
+        """A new buffer is held: lent at once (``lent``) or, prepared ahead, free."""
         self.allocations += 1
         self.held_bytes += size
-        self.lent_bytes += size
-        self.pinned_bytes += size if pinned else 0
+        self.lent_bytes += size if lent else 0
+        self.pinned_bytes += size if buffer.pinned else 0
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-        return buffer
+        if not lent:
+            self._free.setdefault(buffer.device, []).append(buffer)
 
     def _pin(self, tensor: torch.Tensor) -> bool:
         if self.pinning_failed:
             return False
+        began = time.perf_counter()
         try:
             self.register(tensor)
+            self.registrations += 1
         except Exception as error:  # a cap on pinned memory must not end the step
-            self.pinning_failed = True
-            self.warn(
-                "pin-failed",
-                f"pinning host memory failed ({error}) with {self.pinned_bytes / 2**20:.1f} MiB pinned; offload "
-                "continues with pageable memory, whose copies do not overlap compute (slower, still correct)",
-            )
+            self._pin_failed(error)
             return False
+        finally:
+            self.pin_seconds += time.perf_counter() - began
         return True
+
+    def _pin_failed(self, error: Exception) -> None:
+        self.pinning_failed = True
+        self.warn(
+            "pin-failed",
+            f"pinning host memory failed ({error}) with {self.pinned_bytes / 2**20:.1f} MiB pinned; offload "
+            "continues with pageable memory, whose copies do not overlap compute (slower, still correct)",
+        )
 
     def _release(self, buffers: list[HostBuffer], needed: int | None) -> None:
         """Release ``buffers`` in order; with ``needed``, only until that many more bytes fit the budget."""
@@ -385,6 +386,7 @@ class HostMemory:
             if buffer.pinned and buffer.device not in drained:
                 self.drain(buffer.device)
                 drained.add(buffer.device)
+                self.syncs += 1
             self._free[buffer.device].remove(buffer)
             if buffer.pinned:
                 self.unregister(buffer.tensor)

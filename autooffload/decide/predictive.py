@@ -21,8 +21,12 @@ offloading removes (one checkpointed input per layer).
 
 Without a memory reading (no step finished yet, no GPU, no NVML) there is nothing to predict from: the
 hysteresis policy decides, with its sequence-length trigger: without a GPU the two policies are the same.
-For a micro-batch longer than any sampled before two lengths have been sampled, the hysteresis policy's
-answer (capped at ``layers - 1``) is also a floor: no less safe than the threshold policy while learning.
+With one, a reading and the config's arithmetic (the seed slope: every layer's input, the logits, one layer's
+working set, with the margin) predict a micro-batch longer than any sampled, from the first sample on: the
+length alone offloads nothing where they say there is room (on one H200 the sequence trigger offloaded 27 of
+28 layers of a 32k-token micro-batch whose step peaked at 10.6 of 140 GiB). Only where the arithmetic is
+missing (no per-token terms from the config, no layer size) is the hysteresis policy's answer, capped at
+``layers - 1``, a floor for such a micro-batch until two lengths are sampled.
 Pure: no torch, no clock, no I/O.
 """
 
@@ -91,7 +95,7 @@ class PredictivePolicy:
         if level is None:
             level = self.fallback.decide(observation)
             self.last_reason = self.fallback.last_reason
-        elif not self.fitted and observation.tokens > (self.model.longest or 0):
+        elif not self.fitted and observation.tokens > (self.model.longest or 0) and not _seeded(observation):
             floor = min(self.fallback.decide(observation), observation.layers - 1)
             if floor > level:
                 level, self.last_reason = floor, self.fallback.last_reason
@@ -200,6 +204,13 @@ class PredictivePolicy:
             for entry in state["pending"]
         ]
         self.fallback.load_state_dict(state["fallback"])
+
+
+def _seeded(observation: Observation) -> bool:
+    """Whether the arithmetic can extrapolate beyond the lengths sampled: a layer's input size and the config's
+    per-token terms (the seed slope of :mod:`autooffload.decide.peak`)."""
+    terms = (observation.logits_bytes_per_token, observation.layer_work_bytes_per_token)
+    return bool(observation.bytes_per_layer) and any(term is not None for term in terms)
 
 
 def make_policy(settings: Any) -> HysteresisPolicy | PredictivePolicy:

@@ -130,7 +130,7 @@ def model_devices(model: torch.nn.Module) -> list[torch.device]:
     return sorted(devices, key=str) or [torch.device("cpu")]
 
 
-def _unwrap_optimizer(optimizer: Any) -> Any:
+def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and alike)."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
@@ -143,7 +143,7 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, int | None]:
     The second is None when the optimizer's kind is unknown. torch's Adam and SGD allocate their state lazily,
     at the first ``step()``, so before it the first number is 0 and the difference is still to come.
     """
-    inner = _unwrap_optimizer(optimizer)
+    inner = unwrap_optimizer(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         return 0, None
     groups = inner.param_groups

@@ -57,7 +57,9 @@ class MemoryReading:
 
 
 class MemoryProbe(Protocol):
-    """``read()`` at the end of a step; an optional ``reset()`` at its start starts the peak there."""
+    """``read()`` at the end of a step; an optional ``reset()`` at its start starts the peak there; an optional
+    ``peek()`` reads the step so far without ending its peak (before the optimizer's first step, so that its
+    new state is not counted twice: :mod:`autooffload.observe.memory`)."""
 
     def read(self) -> MemoryReading | None: ...
 
@@ -132,6 +134,10 @@ class NvmlProbe:
         readings = [self._read_device(index) for index in self.devices]
         self._reset_peaks()
         return max(readings, key=lambda reading: reading.fraction)
+
+    def peek(self) -> MemoryReading:
+        """The reading so far, the step's peak still counting (nothing is reset)."""
+        return max((self._read_device(index) for index in self.devices), key=lambda reading: reading.fraction)
 
     def reset(self) -> None:
         """Start the peak (and the retry count) here: at a step's start, so what ran between steps (evaluation,

@@ -88,6 +88,7 @@ class SimulatedDevice:
         self._activations: int | None = None
         self._trained = False  # a training forward ran in this step
         self._peak: int | None = None  # the step's peak above what it held at its start, once read
+        self._split = (0, 0)  # before a peek: the step's peak so far and what it held then, above its start
         self._read = False  # the step was read: the next forward without reset() starts another
         self._window = AllocationPeak()
         self.warn = WarnOnce()
@@ -122,7 +123,7 @@ class SimulatedDevice:
         self._window.close()
         if self.count == "peak":
             gc.collect()
-        self._activations, self._trained, self._peak, self._read = None, False, None, False
+        self._activations, self._trained, self._peak, self._read, self._split = None, False, None, False, (0, 0)
         self._held = self._held_now()
         if self.count == "peak":
             self._open()
@@ -144,11 +145,26 @@ class SimulatedDevice:
                 "count what the forward saved (count='saved'), which leaves out the backward's transients",
             )
 
+    def peek(self) -> MemoryReading | None:
+        """The step's reading so far, its peak still counting (``count="peak"``; None otherwise): the allocator's
+        window is closed and a new one opened, the step's peak carried across."""
+        if self._model is None or not self._trained or not self._window.active:
+            return None
+        self._peak = self._carried(self._window.stop())
+        self._split = (self._peak, self._split[1] + (self._window.last_end or 0))
+        if self._window.start():
+            self._peak = None
+        return MemoryReading(min(sum(self._held.values()) + self._split[0], self.total_bytes), self.total_bytes)
+
+    def _carried(self, peak: int | None) -> int:
+        """A window's peak as the step's: above what the step held at its start, across any peek."""
+        return max(self._split[0], self._split[1] + (peak or 0))
+
     def read(self) -> MemoryReading | None:
         if self._model is None:
             return None
         if self._window.active:
-            self._peak = self._window.stop()
+            self._peak = self._carried(self._window.stop())
         self._read = True
         if not self._trained:
             return None

@@ -1,0 +1,568 @@
+"""A mixed-length trace that can decide: every way to hold checkpointed inputs, over several interleaved passes.
+
+    python benchmarks/mixed.py --out DIR [--device cuda|cpu] [--passes 4] [--variants room budget] [--quick]
+
+Modes, on one model (Qwen3 layers, random weights; on the GPU the Qwen3-1.7B layer shape, 16 x 2048), each
+installed before its step and taken off after, interleaved step by step in a rotating order:
+
+- ``plain``: transformers' checkpointing alone;
+- ``offload=True``: transformers' own (``save_on_cpu`` around each layer's checkpoint; the same wrap installed by
+  this script where the release or the device has none);
+- ``torchtune``: torchtune's ``OffloadActivations`` (copy stream, every saved tensor of 1 KiB or more, the output
+  head left out as its recipes do) around the forward, checkpointing on: GPU only, where torchtune is installed
+  (a benchmark-only dependency; see :func:`torchtune_offloading`);
+- ``on/sync``, ``on/stream``: autooffload offloading every layer, with each engine;
+- ``auto``: autooffload with today's defaults; ``auto/stream``: with ``engine="stream"``; ``auto/stream/keep``:
+  with ``engine="stream"`` and ``recompute="auto"``.
+
+Every autooffload mode keeps its controller and its host memory manager across the whole run, as one training
+run would: the passes after the first see a warm controller, and the buffers pinned in one step serve the next.
+The first pass is the warm-up and is reported apart (its long steps pin host memory and teach the policy).
+
+Variants: ``room``, the device's whole memory; ``budget``, a device sized so that a long micro-batch with every
+layer recomputing does not fit under ``memory_high`` (0.9) and one with every layer offloaded does (the limit
+halfway between the two calibration peaks): the long micro-batches must offload some layers. A step's reading is
+``max_memory_allocated`` over it on a GPU (a CPU: the weights plus torch's CPU allocator's peak over the step), and
+the controllers read the same, as at most the device's size; every step is checked against the budget.
+
+Per mode: each pass's total time, the median over passes and the spread ((slowest - fastest pass) / median),
+short and long steps apart, steps over the budget (timed passes and warm-up), layers offloaded and kept, and per
+step Python's garbage collections and what autooffload's own work cost (``autooffload.observe.costs``). A comparison
+of two modes is per pass (the passes are interleaved, so a drift of the machine moves both): A is faster than B
+where A's total is below B's in every timed pass; the verdicts' tolerance is that spread, never a fixed figure.
+Writes ``mixed.json`` and ``mixed.md`` into ``--out`` after each variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import enable_checkpointing, has_native_offload, install_save_on_cpu
+from ladder import Shape, build_model
+
+import autooffload
+from autooffload import MemoryReading, OffloadController, OffloadStats, Settings
+from autooffload.apply.host_memory import HostMemory
+from autooffload.observe.allocations import AllocationPeak
+from autooffload.observe.costs import GcWatch
+
+MODES = ("plain", "offload=True", "torchtune", "on/sync", "on/stream", "auto", "auto/stream", "auto/stream/keep")
+AUTOOFFLOAD = {  # mode -> (mode, engine, recompute)
+    "on/sync": ("on", "sync", "always"),
+    "on/stream": ("on", "stream", "always"),
+    "auto": ("auto", None, None),
+    "auto/stream": ("auto", "stream", None),
+    "auto/stream/keep": ("auto", "stream", "auto"),
+}
+HIGH = 0.9
+SHAPES = {
+    # Qwen3-1.7B's layer shape, 16 of its 28 layers (the check's time); a 1024-token vocabulary. At 32k tokens the
+    # step's peak is at the start of the backward, every layer's input alive, where offload lowers it (at 16k it
+    # is at the end, weights' gradients and the first layer's backward, where it cannot).
+    "cuda": Shape(16, 2048, 16, 128, 1024, "bf16", 4096, 32768),
+    "cpu": Shape(4, 128, 4, 32, 1024, "fp32", 256, 1024),
+    "quick": Shape(2, 64, 4, 16, 256, "fp32", 32, 128),
+}
+GIB = 2**30
+
+
+def trace(shape: Shape) -> list[int]:
+    """One pass: mostly short micro-batches, one long in five (the third)."""
+    return [shape.short, shape.short, shape.long, shape.short, shape.short]
+
+
+# ---- torchtune ------------------------------------------------------------------------------------------
+
+
+def torchtune_offloading() -> tuple[Any, str]:
+    """torchtune's ``OffloadActivations`` and ``NoOpManager``, and where they came from; ``(None, why)`` where not.
+
+    ``import torchtune`` needs torchao and the package's data stack (``datasets``, ``torchdata``, ...), which the
+    GPU machine lacks; its activation offloading needs none of them. Where the package is installed (its wheel
+    carried, ``pip install --no-deps``) but does not import, its ``training/_activation_offloading.py`` is loaded
+    on its own, with three names it imports only for other paths (torchao's ``NF4Tensor``, an ``isinstance`` in
+    an error path; ``TiedLinear`` and ``get_logger``, for its recipe helper) given stand-ins: the class itself
+    runs unchanged."""
+    try:
+        import torchtune
+        from torchtune.training import NoOpManager, OffloadActivations
+
+        return (OffloadActivations, NoOpManager), f"torchtune {torchtune.__version__}"
+    except Exception as error:  # ImportError, or a package that does not import on this torch: said, and loaded alone
+        why = f"import torchtune failed: {type(error).__name__}: {' '.join(str(error).split())}"
+    spec = importlib.util.find_spec("torchtune") if "torchtune" not in sys.modules else None
+    if spec is None or not spec.submodule_search_locations:
+        return None, f"torchtune is not installed ({why})"
+    path = Path(next(iter(spec.submodule_search_locations))) / "training" / "_activation_offloading.py"
+    stand_ins = {
+        "torchao": types.ModuleType("torchao"),
+        "torchao.dtypes": types.ModuleType("torchao.dtypes"),
+        "torchao.dtypes.nf4tensor": types.ModuleType("torchao.dtypes.nf4tensor"),
+        "torchtune": types.ModuleType("torchtune"),
+        "torchtune.modules": types.ModuleType("torchtune.modules"),
+        "torchtune.utils": types.ModuleType("torchtune.utils"),
+    }
+    stand_ins["torchao"].__version__ = "0"  # type: ignore[attr-defined]
+    stand_ins["torchao.dtypes.nf4tensor"].NF4Tensor = type("NF4Tensor", (), {})  # type: ignore[attr-defined]
+    stand_ins["torchtune.modules"].TiedLinear = type("TiedLinear", (), {})  # type: ignore[attr-defined]
+    stand_ins["torchtune.utils"].get_logger = lambda level=None: logging.getLogger("torchtune")  # type: ignore[attr-defined]
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    try:
+        sys.modules.update(stand_ins)
+        module_spec = importlib.util.spec_from_file_location("torchtune_activation_offloading", path)
+        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as error:
+        return None, f"{why}; loading {path.name} alone failed too ({type(error).__name__}: {error})"
+    finally:
+        for name, before in saved.items():
+            sys.modules.pop(name) if before is None else sys.modules.__setitem__(name, before)
+    version = _installed_version("torchtune")
+    return (module.OffloadActivations, module.NoOpManager), f"torchtune {version}, {path.name} loaded alone ({why})"
+
+
+def _installed_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# ---- modes ----------------------------------------------------------------------------------------------
+
+
+class HarnessProbe:
+    """The step's reading as the harness measured it (:func:`run_step`), at most the device's size."""
+
+    def __init__(self, total: int, cpu: bool) -> None:
+        self.total, self.last = total, None
+        self.separate_host = cpu  # offloaded inputs leave torch's CPU allocator, as they would leave a GPU
+
+    def read(self) -> MemoryReading | None:
+        return None if self.last is None else MemoryReading(min(self.last, self.total), self.total)
+
+
+class Mode:
+    """One mode on the shared model: installed before each of its steps and taken off after (module docs)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, device: str, probe: HarnessProbe, tune: Any) -> None:
+        self.name, self.model, self.device, self.probe = name, model, device, probe
+        self.native = name == "offload=True" and device == "cuda" and has_native_offload(model)
+        self.stats = OffloadStats() if name == "offload=True" and not self.native else None
+        self.controller: OffloadController | None = None
+        self.host: HostMemory | None = None
+        self.offloading: Any = None
+        if name in AUTOOFFLOAD:
+            mode, engine, recompute = AUTOOFFLOAD[name]
+            given = {k: v for k, v in (("engine", engine), ("recompute", recompute)) if v is not None}
+            settings = Settings(mode=mode, memory_high=HIGH, memory_low=HIGH - 0.1, **given)
+            self.host = HostMemory(copy_cpu=device == "cpu")
+            self.controller = OffloadController(settings, probe=probe, host=self.host)
+        elif name == "torchtune":
+            offload, no_op = tune
+            self.offloading = offload()
+            quiet = no_op()  # the output head is not offloaded, as torchtune's recipes arrange
+            model.lm_head.register_forward_pre_hook(lambda *a: quiet.__enter__() if self.active else None)
+            model.lm_head.register_forward_hook(lambda *a: quiet.__exit__() if self.active else None, always_call=True)
+        self.active = False
+        self.steps: list[dict[str, Any]] = []
+
+    def activate(self) -> None:
+        enable_checkpointing(self.model, native_offload=self.native)
+        if self.stats is not None:
+            install_save_on_cpu(self.model, self.device, self.stats)
+        if self.controller is not None:
+            self.controller.attach(self.model)
+            self.controller.begin_step()  # the step's boundary, outside its clock (Trainer's on_step_begin)
+        self.active = True
+
+    def deactivate(self) -> None:
+        self.active = False
+        if self.controller is not None:
+            self.controller.detach()
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return self.offloading if self.offloading is not None else contextlib.nullcontext()
+
+    def plan(self) -> tuple[int, int]:
+        switch = self.controller.switch if self.controller is not None else None
+        if switch is not None:
+            return switch.offloaded, switch.kept
+        return (len(self.model.model.layers), 0) if self.name in ("offload=True", "torchtune") else (0, 0)
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.release_all()
+
+
+def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def run_step(
+    mode: Mode, ids: torch.Tensor, cpu_peaks: bool, watch: GcWatch, loss_of: Any = causal_lm_loss
+) -> dict[str, Any]:
+    """One forward (``loss_of(model, ids)``) and backward under ``mode``: time (CUDA events; a CPU: the process's
+    CPU time), the step's peak, the plan, Python's collections, and autooffload's own costs."""
+    model, cuda = mode.model, ids.device.type == "cuda"
+    mode.activate()
+    window = AllocationPeak() if cpu_peaks else None
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        elif window is not None:
+            gc.collect()  # a block freed by the collector inside the window would lower its count
+        collections, gc_seconds = watch.collections, watch.seconds  # the step's own, not the collection above
+        if cuda:
+            start.record()
+        else:
+            began = time.process_time()
+            if window is not None:
+                window.start()
+        with mode.forward():
+            loss = loss_of(model, ids)
+        plan = mode.plan()
+        loss.backward()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            seconds, peak = start.elapsed_time(end) / 1e3, int(torch.cuda.max_memory_allocated())
+        else:
+            seconds = time.process_time() - began
+            above = window.stop() if window is not None else None
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            peak = None if above is None else weights + above
+        del loss
+        model.zero_grad(set_to_none=True)
+        row = dict(seq=int(ids.shape[-1]), seconds=seconds, peak=peak, offloaded=plan[0], kept=plan[1])
+        row.update(gc_collections=watch.collections - collections, gc_seconds=round(watch.seconds - gc_seconds, 4))
+        if mode.controller is not None:
+            mode.probe.last = peak
+            mode.controller.end_step()
+            row["costs"] = mode.controller.last_step_costs
+    finally:
+        mode.deactivate()
+    return row
+
+
+# ---- one variant: warm-up and timed passes ---------------------------------------------------------------
+
+
+def calibrate(model: torch.nn.Module, shape: Shape, device: str, tune: Any, total: int, watch: GcWatch) -> dict:
+    """Peaks of a long and a short micro-batch with every layer recomputing and with every layer offloaded."""
+    probe = HarnessProbe(total, device == "cpu")
+    found = {}
+    for name in ("plain", "on/sync"):
+        mode = Mode(name, model, device, probe, tune)
+        for seq in (shape.long, shape.short):
+            ids = token_ids(shape, seq, seed=seq, device=device)
+            found[f"{name}_{seq}"] = run_step(mode, ids, device == "cpu", watch)["peak"]
+        mode.close()
+    return found
+
+
+def token_ids(shape: Shape, seq: int, seed: int, device: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, shape.vocab, (1, seq), generator=generator).to(device)
+
+
+def run_variant(
+    model: torch.nn.Module, shape: Shape, device: str, variant: str, total: int, passes: int, tune: Any,
+    names: list[str], watch: GcWatch, deadline: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The warm-up pass and up to ``passes`` timed passes (fewer where ``deadline`` would pass), every mode."""
+    probe = HarnessProbe(total, device == "cpu")
+    modes = [Mode(name, model, device, probe, tune) for name in names]
+    lengths = trace(shape)
+    began = time.monotonic()
+    timed_passes = 0
+    failed: dict[str, str] = {}
+    for index in range(passes + 1):
+        if index >= 2 and time.monotonic() + (time.monotonic() - began) / index > deadline:
+            break  # another pass would end past the deadline: what ran is reported
+        for i, seq in enumerate(lengths):
+            ids = token_ids(shape, seq, seed=1000 * index + i, device=device)
+            for j in range(len(modes)):
+                mode = modes[(index + i + j) % len(modes)]
+                if mode.name in failed:
+                    continue
+                try:
+                    row = run_step(mode, ids, device == "cpu", watch)
+                except Exception as error:  # one mode that cannot run (a peer on this torch) leaves the others be
+                    failed[mode.name] = f"failed at pass {index}: {type(error).__name__}: {str(error)[:300]}"
+                    model.zero_grad(set_to_none=True)
+                    continue
+                row["pass"] = index
+                mode.steps.append(row)
+        timed_passes = index
+    for mode in modes:
+        mode.close()
+    modes = [mode for mode in modes if mode.name not in failed]
+    limit = HIGH * total
+    result: dict[str, Any] = dict(variant=variant, total_bytes=total, budget_bytes=limit, lengths=lengths)
+    result["timed_passes"], result["modes"], result["failed"] = timed_passes, {}, failed
+    for mode in modes:
+        result["modes"][mode.name] = summarise(mode.steps, timed_passes, limit, shape)
+    return result
+
+
+def summarise(steps: list[dict[str, Any]], passes: int, limit: float, shape: Shape) -> dict[str, Any]:
+    timed = [s for s in steps if s["pass"] > 0]
+    totals = [sum(s["seconds"] for s in timed if s["pass"] == p) for p in range(1, passes + 1)]
+    median = statistics.median(totals) if totals else float("nan")
+    over = [s for s in steps if s["peak"] is not None and s["peak"] > limit]
+    return dict(
+        pass_s=totals,
+        median_s=median,
+        spread=(max(totals) - min(totals)) / median if totals else None,
+        warmup_s=sum(s["seconds"] for s in steps if s["pass"] == 0),
+        short_median_s=statistics.median([s["seconds"] for s in timed if s["seq"] == shape.short] or [float("nan")]),
+        long_median_s=statistics.median([s["seconds"] for s in timed if s["seq"] == shape.long] or [float("nan")]),
+        steps_over_budget=sum(s["pass"] > 0 for s in over),
+        warmup_steps_over_budget=sum(s["pass"] == 0 for s in over),
+        max_peak=max((s["peak"] for s in steps if s["peak"] is not None), default=None),
+        long_offloaded=[s["offloaded"] for s in timed if s["seq"] == shape.long],
+        short_offloaded=sorted({s["offloaded"] for s in timed if s["seq"] == shape.short}),
+        kept=sorted({s["kept"] for s in timed}),
+        gc_collections=sum(s["gc_collections"] for s in timed),
+        gc_seconds=round(sum(s["gc_seconds"] for s in timed), 4),
+        steps=steps,
+    )
+
+
+# ---- comparisons and verdicts ----------------------------------------------------------------------------
+
+
+def ratios(result: dict[str, Any], a: str, b: str) -> list[float]:
+    """A's pass totals over B's, pass by pass (the passes are interleaved: a drift moves both)."""
+    modes = result["modes"]
+    if a not in modes or b not in modes:
+        return []
+    return [x / y for x, y in zip(modes[a]["pass_s"], modes[b]["pass_s"], strict=True)]
+
+
+def faster(result: dict[str, Any], a: str, b: str) -> bool | None:
+    """A faster than B: below it in every timed pass (the whole spread of the ratios under 1); None: not run."""
+    found = ratios(result, a, b)
+    return (max(found) < 1) if found else None
+
+
+def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
+    """What the rule for the defaults reads from this benchmark (docs/engines.md, docs/ladder.md)."""
+    room, budget = results.get("room"), results.get("budget")
+    out: dict[str, bool | None] = {}
+    if room is not None:
+        modes = room["modes"]
+        out["auto_faster_than_offload_true"] = faster(room, "auto", "offload=True")
+        out["auto_stream_faster_than_offload_true"] = faster(room, "auto/stream", "offload=True")
+        out["auto_stream_keep_faster_than_offload_true"] = faster(room, "auto/stream/keep", "offload=True")
+        out["auto_stream_not_slower_than_auto"] = _not(faster(room, "auto", "auto/stream"))
+        if "on/stream" in modes and "plain" in modes:
+            out["on_stream_long_within_1pct_of_plain"] = (
+                modes["on/stream"]["long_median_s"] <= 1.01 * modes["plain"]["long_median_s"]
+            )
+        out["on_stream_not_slower_than_torchtune"] = _not(faster(room, "torchtune", "on/stream"))
+        keep = ratios(room, "auto/stream/keep", "plain")
+        out["keep_at_most_085_of_plain"] = (statistics.median(keep) <= 0.85 and max(keep) < 1) if keep else None
+    if budget is not None:
+        modes = budget["modes"]
+        for name in ("auto", "auto/stream", "auto/stream/keep"):
+            if name in modes:
+                out[f"{name.replace('/', '_')}_never_over_budget"] = modes[name]["steps_over_budget"] == 0
+        if "auto/stream/keep" in modes and "auto/stream" in modes:
+            out["keep_warmup_over_budget_no_more_than_stream"] = (
+                modes["auto/stream/keep"]["warmup_steps_over_budget"]
+                <= modes["auto/stream"]["warmup_steps_over_budget"]
+            )
+        out["budget_auto_faster_than_offload_true"] = faster(budget, "auto", "offload=True")
+        out["budget_keep_not_slower_than_auto_stream"] = _not(faster(budget, "auto/stream", "auto/stream/keep"))
+    return out
+
+
+def _not(value: bool | None) -> bool | None:
+    return None if value is None else not value
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+
+
+def render(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [
+        "# A mixed-length trace that can decide",
+        "",
+        f"- device: {env['device_name']}; torch {env['torch']}, transformers {env['transformers']}, python "
+        f"{env['python']}, autooffload {env['autooffload']}; {env['date']}",
+        f"- command: `{env['command']}`",
+        f"- model: {env['shape']}; a step is one micro-batch's forward and backward, no optimizer",
+        f"- torchtune: {env['torchtune']}",
+        "- time: " + ("CUDA events" if env["device"] == "cuda" else "process CPU time") + " per step, summed per "
+        "pass; median over the timed passes; spread = (slowest - fastest pass) / median; the first pass is the "
+        "warm-up, apart; `vs plain` and `vs offload=True`: median of the per-pass ratios, [lowest, highest]",
+        "",
+    ]
+    for variant, result in report["results"].items():
+        budget = result["budget_bytes"] / 2**20
+        lines += [
+            f"## {variant}: device {result['total_bytes'] / 2**20:,.1f} MiB, budget {budget:,.1f} MiB "
+            f"(memory_high {HIGH}); lengths per pass {result['lengths']}, {result['timed_passes']} timed pass(es)",
+            "",
+            *([f"Note: {result['note']}", ""] if result.get("note") else []),
+            "| mode | pass, s (median) | spread | vs plain | vs offload=True | short, ms | long, ms | warm-up, s "
+            "| over budget (timed, warm-up) | long: layers offloaded | kept | GC (timed): n, s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, m in result["modes"].items():
+            spread = "n/a" if m["spread"] is None else f"{m['spread']:.1%}"
+            lines.append(
+                f"| {name} | {m['median_s']:.3f} | {spread} | {_ratio(result, name, 'plain')} "
+                f"| {_ratio(result, name, 'offload=True')} | {m['short_median_s'] * 1e3:.1f} "
+                f"| {m['long_median_s'] * 1e3:.1f} | {m['warmup_s']:.2f} "
+                f"| {m['steps_over_budget']}, {m['warmup_steps_over_budget']} | {sorted(set(m['long_offloaded']))} "
+                f"| {m['kept']} | {m['gc_collections']}, {m['gc_seconds']:.3f} |"
+            )
+        for name, why in result.get("skipped", {}).items():
+            lines.append(f"| {name} | skipped: {why} |||||||||||")
+        lines.append("")
+    lines += ["## Verdicts", ""] + [f"- {k}: {_shown(v)}" for k, v in report["verdicts"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(result: dict[str, Any], a: str, b: str) -> str:
+    found = ratios(result, a, b)
+    if not found or a == b:
+        return "-"
+    return f"{statistics.median(found):.3f} [{min(found):.3f}, {max(found):.3f}]"
+
+
+def _shown(value: bool | None) -> str:
+    return "not measured" if value is None else ("PASS" if value else "FAIL")
+
+
+# ---- entry point ----------------------------------------------------------------------------------------
+
+
+def measure(
+    out: Path, device: str, quick: bool, passes: int, variants: list[str], budget_s: float, argv: list[str],
+    layers: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Build the model, calibrate the budget and run each variant; writes the files after each."""
+    deadline = time.monotonic() + budget_s
+    shape = SHAPES["quick" if quick else device]
+    shape = dataclasses.replace(shape, layers=layers) if layers else shape
+    model = build_model(shape, device)
+    tune, tune_source = torchtune_offloading()
+    names, skipped = list(MODES), {}
+    if device != "cuda" or tune is None:
+        names.remove("torchtune")
+        skipped["torchtune"] = "needs a CUDA device" if device != "cuda" else tune_source
+    watch = GcWatch()
+    watch.start()
+    full = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 64 * GIB
+    report: dict[str, Any] = {"environment": environment(device, shape, argv, tune_source), "results": {}}
+    if "budget" in variants:
+        found = calibrate(model, shape, device, tune, full, watch)
+        recompute, offloaded = found[f"plain_{shape.long}"], found[f"on/sync_{shape.long}"]
+        report["calibration"] = found
+    try:
+        for variant in variants:
+            total = full if variant == "room" else round((offloaded + 0.5 * (recompute - offloaded)) / HIGH)
+            left = max(deadline - time.monotonic(), 0) / max(len(variants) - len(report["results"]), 1)
+            result = run_variant(
+                model, shape, device, variant, total, passes, tune, names, watch, time.monotonic() + left
+            )
+            result["skipped"] = {**skipped, **result.pop("failed")}
+            if variant == "budget" and recompute - offloaded < 0.05 * recompute:
+                result["note"] = (
+                    "offloading every layer lowers the long micro-batch's peak by under 5% here (its peak is not "
+                    "where the saved inputs are alive): the budget cannot make it offload some layers"
+                )
+            report["results"][variant] = result
+            report["verdicts"] = verdicts(report["results"])
+            write(out, report)
+            print(f"mixed: {variant} done, {result['timed_passes']} timed pass(es)", file=sys.stderr)
+    finally:
+        watch.stop()
+    return report
+
+
+def write(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mixed.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "mixed.md").write_text(render(report))
+
+
+def environment(device: str, shape: Shape, argv: list[str], tune_source: str) -> dict[str, Any]:
+    name = (
+        torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"{platform.processor() or 'cpu'}, torch threads {torch.get_num_threads()}"
+    )
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=device,
+        device_name=name,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        autooffload=autooffload.__version__,
+        command=" ".join(["python", "benchmarks/mixed.py", *argv]),
+        shape=dataclasses.asdict(shape),
+        torchtune=tune_source,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
+    parser.add_argument("--passes", type=int, default=4, help="timed passes after the warm-up pass (4)")
+    parser.add_argument("--variants", nargs="*", default=["room", "budget"], choices=("room", "budget"))
+    parser.add_argument("--layers", type=int, help="the model's layers (default: the shape's, 28 on a GPU)")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="stop starting passes past this (600)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
+    options = parser.parse_args(argv)
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    for key in [k for k in os.environ if k.startswith("AUTOOFFLOAD_")]:
+        os.environ.pop(key)
+        print(f"mixed: ignoring {key}: the benchmark sets its own settings", file=sys.stderr)
+    warnings.simplefilter("ignore")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    report = measure(
+        options.out, device, options.quick, options.passes, options.variants, options.budget_s, argv, options.layers
+    )
+    print((options.out / "mixed.md").read_text())
+    return 0 if all(v is not False for v in report.get("verdicts", {}).values()) or device == "cpu" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
