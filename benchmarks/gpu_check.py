@@ -303,8 +303,8 @@ def _gib(value: float | None) -> str:
 
 def part_pinning(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     """``benchmarks/host_pinning.py`` twice, each in its own process: under ``OMP_NUM_THREADS=1`` and with torch's
-    default threads. The verdict: pinning ahead (two threads, the default) makes the step that needs new buffers
-    faster than pinning in it, with either setting."""
+    default threads. The verdict: pinning ahead on two threads makes the step that needs new buffers faster than
+    pinning in it (the default), with either setting: the rule for turning it on by default (docs/host-memory.md)."""
     script = HERE / "host_pinning.py"
     args = ["--device", "cuda" if device.startswith("cuda") else "cpu"]
     args += ["--sizes-mib", "8", "--layers", "4", "--layer-mib", "4", "--layer-ms", "2"] if quick else []

@@ -21,8 +21,8 @@ most of what registering a fresh mapping costs; what it cannot show is the drive
 
 **A step that needs new buffers** (``--layers`` x ``--layer-mib``, one buffer per layer; each layer computes for
 about ``--layer-ms`` before its input is copied into its buffer, as a forward would): the step's time, and how
-long it waited for pinning: ``in step`` (each buffer mapped and registered when its layer asks: autooffload
-before 0.2.0), ``ahead`` on 1, 2 (autooffload's default) and 4 threads (the buffers the micro-batch will need
+long it waited for pinning: ``in step`` (each buffer mapped and registered when its layer asks: autooffload's
+default until a GPU shows ahead faster), ``ahead`` on 1, 2 and 4 threads (the buffers the micro-batch will need
 mapped and registered on threads from the moment its plan is known: :meth:`HostMemory.expect`), and ``pinned
 before`` (the buffers already held: every later step of that length). Results: ``host_pinning.json`` and
 ``host_pinning.md`` in ``--out``.
@@ -51,7 +51,7 @@ from autooffload.apply.pinning import cuda_register, cuda_unregister, pageable  
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 KEY = torch.device("cuda", 0)  # the manager's key for the buffers; on a CPU only a label
-STEP_WAYS = {"in step": 0, "ahead, 1 thread": 1, "ahead, 2 threads": 2, "ahead, 4 threads": 4}  # 2: the default
+STEP_WAYS = {"in step": 0, "ahead, 1 thread": 1, "ahead, 2 threads": 2, "ahead, 4 threads": 4}  # 0: the default
 
 
 def mlock(buffer: torch.Tensor) -> None:

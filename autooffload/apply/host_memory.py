@@ -59,7 +59,7 @@ MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 256
 _age, _size = attrgetter("last_step"), attrgetter("nbytes")  # sort keys of buffers
 SLACK = 2  # without expect(): a free buffer serves a request of at least 1 / SLACK of its size
-PREPARE_THREADS = 2  # threads that map and pin a micro-batch's new buffers ahead of its forward (0: in the step)
+PREPARE_THREADS = 0  # threads that map and pin a micro-batch's new buffers ahead of its forward (0: in the step)
 PREPARE_WAIT_S = 30.0  # the longest a request waits for a buffer being prepared before it makes its own
 
 
