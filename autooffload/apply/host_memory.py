@@ -22,7 +22,7 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
   (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
   already held are reused without asking: they are not free memory, but they are ours.
-- **Release.** Pinning is slow: on an H200 machine 3.6 GiB of new buffers added about 1.5 s to the 2.0 s
+- **Release.** Pinning is slow: on an H200 machine 3.4 GiB of new buffers added 1.59 s to the 2.04 s
   32k-token step that needed them (``benchmarks/host_pinning.py``), and a long micro-batch that comes back after
   a few short ones must find its buffers still there. So a free buffer is released when the host runs short
   (less than ``min_free`` free after an optimizer step: of the buffers that step did not use, the longest unused
