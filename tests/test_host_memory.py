@@ -4,6 +4,7 @@ recording stand-ins, so on a CPU the manager pins (records) and the engines copy
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import warnings
@@ -23,6 +24,7 @@ from autooffload.apply.host_memory import (
     page_round,
     ranks_per_node,
 )
+from autooffload.apply.offload import OffloadStats, SyncEngine
 from autooffload.history import read_history
 
 CPU = torch.device("cpu")
@@ -511,3 +513,24 @@ def test_the_history_and_the_logs_say_what_really_moved_when_host_memory_falls_s
     assert [h["autooffload/active"] for h in logged] == [(LAYERS - short_layers) / LAYERS] * 3
     assert [h["autooffload/short_bytes"] for h in logged] == [short] * 3
     assert f"{3 * short / 2**20:.1f} MiB stayed on the device" in callback.controller.summary()
+
+
+def test_a_non_contiguous_input_is_moved_to_a_copy_of_its_own_and_counted():
+    """A layer input that is a view with strides of its own (a transposed tensor) cannot go into a flat buffer: it
+    goes to a pageable copy, and is counted like any other, so bytes moved still equal the arithmetic."""
+    weight = torch.randn(6, 5, requires_grad=True)
+    source = torch.randn(6, 4, requires_grad=True)
+    layer_input = source.t()
+    assert not layer_input.is_contiguous()
+
+    def step(engine: SyncEngine | None) -> list[torch.Tensor]:
+        weight.grad = source.grad = None
+        with engine.hooks(False, layer_input) if engine else contextlib.nullcontext():
+            out = (layer_input @ weight).tanh()  # saves the input, the weight and the tanh's output
+        out.pow(2).sum().backward()
+        return [weight.grad.clone(), source.grad.clone()]
+
+    stats = OffloadStats()
+    engine = SyncEngine(stats, HostMemory(copy_cpu=True, memory=lambda: PLENTY))
+    assert all(torch.equal(a, b) for a, b in zip(step(engine), step(None), strict=True))
+    assert (stats.total_bytes, stats.tensors, stats.short_bytes) == (layer_input.numel() * 4, 1, 0)
