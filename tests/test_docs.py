@@ -2,7 +2,8 @@
 
 Examples: every fenced ```python and ```bash block in README.md and docs/*.md runs, a page's blocks in order
 (a later block may use what an earlier one wrote), each in a fresh process from the repository root with this
-checkout first on the path. Two HTML comments on the line before a fence, invisible on a code host, change
+checkout first on the path, with the page's paths under /tmp/ moved into a folder of the test's own (the two suites of
+./dev test run side by side). Two HTML comments on the line before a fence, invisible on a code host, change
 that: ``<!-- not-run: why -->`` (installs, long runs, a GPU) and ``<!-- needs: transformers>=5.23 -->`` (any
 package: skipped where it is absent or older). Other languages (```text, ```json) are output and are not run.
 """
@@ -102,13 +103,14 @@ NOT_HERE = [b for page in PAGES for b in blocks(page) if runnable(b) and not _ne
 
 
 @pytest.mark.parametrize("page", RUN_HERE, ids=_name)
-def test_every_example_on_the_page_runs(page):
+def test_every_example_on_the_page_runs(page, tmp_path):
     for block in filter(runnable, blocks(page)):
         if not _needs_met(block):
             continue  # test_an_example_for_other_releases_says_it_did_not_run_here
-        command = [sys.executable, "-c", block.code]
+        code = block.code.replace("/tmp/", f"{tmp_path}/")  # the page's own /tmp: ./dev test runs two suites at once
+        command = [sys.executable, "-c", code]
         if block.language == "bash":
-            command = ["bash", "-euo", "pipefail", "-c", block.code]
+            command = ["bash", "-euo", "pipefail", "-c", code]
         done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600)
         where = f"{_name(page)}:{block.line} ({block.language})"
         assert done.returncode == 0, (
