@@ -125,7 +125,7 @@ def test_an_example_for_other_releases_says_it_did_not_run_here(block):
         installed = metadata.version(name)
     except metadata.PackageNotFoundError:
         installed = "none"
-    pytest.skip(f"needs {block.marker[1]}; installed here: {installed}")
+    pytest.skip(f"{_name(block.page)}:{block.line} needs {block.marker[1]}; installed here: {installed}")
 
 
 def test_every_skipped_example_says_why():
