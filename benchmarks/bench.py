@@ -10,8 +10,9 @@ Modes, on the same model with the same weights and inputs:
   torch's ``save_on_cpu``, installed here (on a CPU-only build the native option fails asking for pinned
   memory, so the CPU run uses ``pin_memory=False``, and there the "copy" to the host is a no-op);
 - ``on``: autooffload with ``mode="on"`` (its own hooks, bytes counted; on a GPU a copy into pinned host memory);
-- ``auto``: autooffload's OffloadController with its hysteresis policy; on the GPU with the default
-  settings, on the CPU with the sequence thresholds scaled down to the CPU shapes.
+- ``auto``: autooffload's OffloadController with the default (predictive) policy; on the GPU with the default
+  settings and the device's memory reading, on the CPU (no reading) with the sequence thresholds scaled down to
+  the CPU shapes.
 
 Per model shape and sequence length: memory resident right after the forward (every saved input is alive
 there; on the CPU, where host and device memory are one, the bytes the offload hooks packed instead), the

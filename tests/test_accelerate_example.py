@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +36,20 @@ def test_accelerate_loop_example_runs_and_its_bytes_add_up():
     assert "autooffload: mode=auto, 4 step(s), offload in 2 (50%)" in result.stdout
 
 
+def free_port() -> int:
+    """A port no process listens on now: accelerate's default, 29500, is shared by every suite on the machine (./dev
+    test runs two at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(config: str) -> str:
     """``accelerate launch --config_file examples/accelerate/CONFIG.yaml examples/accelerate_loop.py``."""
     env = worker_environment()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    command += [str(ROOT / "examples" / "accelerate" / f"{config}.yaml"), str(EXAMPLE)]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
+    command += ["--config_file", str(ROOT / "examples" / "accelerate" / f"{config}.yaml"), str(EXAMPLE)]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

@@ -289,7 +289,14 @@ def test_a_probe_with_numpy_numbers_leaves_a_state_json_can_write(policy):
     controller.attach(net)
     for seq in (64, 64, 64):
         step(net, controller, seq)
-    json.dumps(controller.state_dict())  # Trainer writes it into trainer_state.json at every save
+    state = json.loads(json.dumps(controller.state_dict()))  # Trainer writes it into trainer_state.json
+    resumed = OffloadController(Settings(policy=policy), probe=NumpyProbe())
+    resumed.attach(checkpointed_model())
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    # the 95% readings were read as numbers: over memory_high, every step after the first offloaded
+    assert [r.memory_fraction for r in controller.history] == [0.95] * 3
+    assert [max(r.offloaded) for r in controller.history][1:] == [LAYERS] * 2
 
 
 def test_a_run_resumed_after_its_first_step_still_foresees_the_optimizer_state():

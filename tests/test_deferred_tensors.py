@@ -100,4 +100,4 @@ def test_a_forward_that_raised_teaches_nothing_about_whose_a_tensor_is():
         moved.append(controller.last_step_bytes)
     # the failed forward copied its first layer's input before it raised; the shared states never move
     assert moved == [(LAYERS + 1) * LAYER_INPUT, LAYERS * LAYER_INPUT]
-    assert controller.planned_bytes() is None or controller.sizes.planned_layer_bytes == (LAYER_INPUT,) * LAYERS
+    assert controller.sizes.planned_layer_bytes == (LAYER_INPUT,) * LAYERS  # each layer's own input, nothing shared

@@ -2,7 +2,8 @@
 
 Examples: every fenced ```python and ```bash block in README.md and docs/*.md runs, a page's blocks in order
 (a later block may use what an earlier one wrote), each in a fresh process from the repository root with this
-checkout first on the path. Two HTML comments on the line before a fence, invisible on a code host, change
+checkout first on the path, with the page's paths under /tmp/ moved into a folder of the test's own (the two suites of
+./dev test run side by side). Two HTML comments on the line before a fence, invisible on a code host, change
 that: ``<!-- not-run: why -->`` (installs, long runs, a GPU) and ``<!-- needs: transformers>=5.23 -->`` (any
 package: skipped where it is absent or older). Other languages (```text, ```json) are output and are not run.
 """
@@ -91,23 +92,40 @@ def anchors(page: Path) -> set[str]:
     return {_slug(line.lstrip("#")) for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_every_example_on_the_page_runs(page):
-    ran = 0
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+# Collected once: a page with nothing to run here is no test case (it would skip in every run), and an example
+# whose release is not installed here is a case of its own that says so, next to its page's case.
+RUN_HERE = [page for page in PAGES if any(runnable(b) and _needs_met(b) for b in blocks(page))]
+NOT_HERE = [b for page in PAGES for b in blocks(page) if runnable(b) and not _needs_met(b)]
+
+
+@pytest.mark.parametrize("page", RUN_HERE, ids=_name)
+def test_every_example_on_the_page_runs(page, tmp_path):
     for block in filter(runnable, blocks(page)):
         if not _needs_met(block):
-            continue
-        command = [sys.executable, "-c", block.code]
+            continue  # test_an_example_for_other_releases_says_it_did_not_run_here
+        code = block.code.replace("/tmp/", f"{tmp_path}/")  # the page's own /tmp: ./dev test runs two suites at once
+        command = [sys.executable, "-c", code]
         if block.language == "bash":
-            command = ["bash", "-euo", "pipefail", "-c", block.code]
+            command = ["bash", "-euo", "pipefail", "-c", code]
         done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600)
-        where = f"{page.relative_to(ROOT)}:{block.line} ({block.language})"
+        where = f"{_name(page)}:{block.line} ({block.language})"
         assert done.returncode == 0, (
             f"{where} failed:\n{block.code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
         )
-        ran += 1
-    if ran == 0:
-        pytest.skip("no runnable example on this page (or none for this transformers release)")
+
+
+@pytest.mark.parametrize("block", NOT_HERE, ids=lambda b: f"{_name(b.page)}:{b.line}")
+def test_an_example_for_other_releases_says_it_did_not_run_here(block):
+    name = block.marker[1].split(">=")[0].strip()
+    try:
+        installed = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        installed = "none"
+    pytest.skip(f"{_name(block.page)}:{block.line} needs {block.marker[1]}; installed here: {installed}")
 
 
 def test_every_skipped_example_says_why():

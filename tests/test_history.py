@@ -56,7 +56,9 @@ def test_history_equals_the_logs_and_the_arithmetic_step_by_step(hysteresis_run)
         assert record["kept"] is None and record["rescued"] is False and record["predicted_peak_bytes"] is None
     assert [r["memory_fraction"] for r in records] == pytest.approx(CURVE)
     assert list(itertools.accumulate(r["switches"] for r in records)) == [h["autooffload/switches"] for h in logs]
-    assert records[0]["layers"] == LAYERS and records[0]["seq_high"] == 200 and records[0]["memory_high"] == 0.9
+    settings = {"layers": LAYERS, "mode": "auto", "seq_high": 200, "seq_low": 128}
+    settings |= {"memory_high": 0.9, "memory_low": 0.8}
+    assert all({key: r[key] for key in settings} == settings for r in records)  # the plot's threshold lines
     assert {reason for r in records for reason in r["reasons"]} <= REASONS.keys()
 
 

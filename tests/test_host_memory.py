@@ -4,6 +4,7 @@ recording stand-ins, so on a CPU the manager pins (records) and the engines copy
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -18,6 +19,7 @@ from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadControll
 from autooffload.apply import host_memory, pinning
 from autooffload.apply.host_budget import node_budget, ranks_per_node
 from autooffload.apply.host_memory import PAGE, RELEASE_AFTER_STEPS, HostMemory, page_round
+from autooffload.apply.offload import OffloadStats, SyncEngine
 from autooffload.history import read_history
 
 CPU = torch.device("cpu")
@@ -579,3 +581,24 @@ def test_a_registration_that_fails_ahead_leaves_a_pageable_buffer_and_one_warnin
     assert not buffer.pinned and host.pinning_failed and host.allocations == 1
     host.expect([3 * PAGE])  # after a failure nothing more is prepared: pinning is off for the run
     assert not host._preparing
+
+
+def test_a_non_contiguous_input_is_moved_to_a_copy_of_its_own_and_counted():
+    """A layer input that is a view with strides of its own (a transposed tensor) cannot go into a flat buffer: it
+    goes to a pageable copy, and is counted like any other, so bytes moved still equal the arithmetic."""
+    weight = torch.randn(6, 5, requires_grad=True)
+    source = torch.randn(6, 4, requires_grad=True)
+    layer_input = source.t()
+    assert not layer_input.is_contiguous()
+
+    def step(engine: SyncEngine | None) -> list[torch.Tensor]:
+        weight.grad = source.grad = None
+        with engine.hooks(False, layer_input) if engine else contextlib.nullcontext():
+            out = (layer_input @ weight).tanh()  # saves the input, the weight and the tanh's output
+        out.pow(2).sum().backward()
+        return [weight.grad.clone(), source.grad.clone()]
+
+    stats = OffloadStats()
+    engine = SyncEngine(stats, HostMemory(copy_cpu=True, memory=lambda: PLENTY))
+    assert all(torch.equal(a, b) for a, b in zip(step(engine), step(None), strict=True))
+    assert (stats.total_bytes, stats.tensors, stats.short_bytes) == (layer_input.numel() * 4, 1, 0)

@@ -33,6 +33,15 @@ def test_the_version_is_written_once():
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?", autooffload.__version__)
 
 
+def test_the_license_is_the_spdx_string_the_build_backend_reads():
+    """setuptools 77 reads ``license = "Apache-2.0"`` (PEP 639) and warns that the old table form stops building in
+    2027; the build must ask for a setuptools that reads the string."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert config["project"]["license"] == "Apache-2.0"
+    assert config["build-system"]["requires"] == ["setuptools>=77"]
+
+
 def test_the_command_prints_the_version():
     result = run(sys.executable, "-m", "autooffload", "--version", timeout=120)
     assert result.returncode == 0, result.stderr

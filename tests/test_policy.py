@@ -1,6 +1,7 @@
 """The hysteresis policy with plain numbers: no torch, no clock."""
 
 from autooffload.decide.policy import HysteresisPolicy, Observation
+from autooffload.settings import Settings
 
 
 def run(policy, readings, seqs=None, layers=8):
@@ -15,6 +16,16 @@ def test_memory_curve_switches_on_at_high_and_off_below_low():
     policy = HysteresisPolicy(memory_high=0.9, memory_low=0.8, seq_high=10_000, seq_low=5_000, min_steps=0)
     curve = [0.5, 0.85, 0.90, 0.95, 0.85, 0.81, 0.79, 0.85, 0.89]
     assert run(policy, curve) == [0, 0, 8, 8, 8, 8, 0, 0, 0]
+
+
+def test_from_settings_takes_each_threshold_where_it_belongs():
+    settings = Settings(memory_high=0.9, memory_low=0.8, seq_high=1000, seq_low=500, min_steps=1)
+    policy = HysteresisPolicy.from_settings(settings)
+    thresholds = (policy.memory_high, policy.memory_low, policy.seq_high, policy.seq_low, policy.min_steps)
+    assert thresholds == (0.9, 0.8, 1000, 500, 1)
+    # Memory: on at 0.9, held at 0.85, off below 0.8 after the dwell; length: on at 1000, held at 700, off below 500.
+    assert run(policy, [0.5, 0.9, 0.85, 0.79, 0.79], [100] * 5) == [0, 8, 8, 0, 0]
+    assert run(HysteresisPolicy.from_settings(settings), [None] * 5, [100, 1000, 700, 499, 499]) == [0, 8, 8, 0, 0]
 
 
 def test_dwell_delays_switching_off_but_never_switching_on():

@@ -19,10 +19,16 @@ import transformers
 from autooffload import AutoOffloadWarning, OffloadController, Settings
 
 BATCH, SAMPLES, TARGET, HIDDEN, VOCAB = 2, 6000, 12, 64, 256
-# Not yet run on transformers 4.x: its Moonshine and wav2vec2 checkpoint reentrantly by default and lay out their
-# feature extractor otherwise (issue 28 measured 5.25.0).
-pytestmark = pytest.mark.skipif(
-    int(transformers.__version__.split(".")[0]) < 5, reason="raw-input stacks are checked on transformers 5"
+# Checkpointing is turned on non-reentrantly, as transformers 5 does by default: transformers 4.52's Moonshine fails
+# its own backward under its default, reentrant checkpointing ("Trying to backward through the graph a second time",
+# with or without autooffload).
+NON_REENTRANT = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+# The floor of the speech encoder-decoder (wav2vec2 inside SpeechEncoderDecoderModel): on transformers 4.52.4 it moves
+# more than its layers' inputs (596,608 bytes against 462,464 in the model below; not yet explained), so it is
+# supported from transformers 5 (docs/coverage.md).
+SPEECH_ENCODER_DECODER_FLOOR = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="a speech encoder-decoder is supported from transformers 5 (on 4.52.4 it moves more than its layers' input)",
 )
 
 
@@ -99,7 +105,7 @@ def audio(samples: int = SAMPLES) -> dict[str, torch.Tensor]:
 
 
 def attached(net, **settings) -> tuple[OffloadController, LayerInputs]:
-    net.gradient_checkpointing_enable()
+    net.gradient_checkpointing_enable(**NON_REENTRANT)
     net.train()
     controller = OffloadController(Settings(**settings), probe=None)
     assert controller.attach(net)
@@ -131,7 +137,7 @@ def test_moonshine_auto_reads_the_encoders_length_from_what_its_first_layer_rece
             return 5
 
     net = moonshine()
-    net.gradient_checkpointing_enable()
+    net.gradient_checkpointing_enable(**NON_REENTRANT)
     net.train()
     controller = OffloadController(Settings(), probe=None, policy=Spy())
     controller.attach(net)
@@ -149,6 +155,7 @@ def test_moonshine_auto_reads_the_encoders_length_from_what_its_first_layer_rece
     assert controller.history[-1].seq_lens == [frames[0]]
 
 
+@SPEECH_ENCODER_DECODER_FLOOR
 def test_a_speech_encoder_decoder_moves_its_feature_extractor_encoder_and_decoder():
     net = speech_encoder_decoder()
     with warnings.catch_warnings(record=True) as caught:
@@ -171,6 +178,7 @@ def test_a_speech_encoder_decoder_moves_its_feature_extractor_encoder_and_decode
     assert controller.sizes.planned_layer_bytes == tuple(inputs.bytes[i] for i in range(7))
 
 
+@SPEECH_ENCODER_DECODER_FLOOR
 def test_a_partial_level_of_a_speech_encoder_decoder_offloads_what_frees_most_first():
     net = speech_encoder_decoder()
 
@@ -178,7 +186,7 @@ def test_a_partial_level_of_a_speech_encoder_decoder_offloads_what_frees_most_fi
         def decide(self, observation):
             return 3
 
-    net.gradient_checkpointing_enable()
+    net.gradient_checkpointing_enable(**NON_REENTRANT)
     net.train()
     controller = OffloadController(Settings(), probe=None, policy=Half())
     controller.attach(net)
@@ -211,7 +219,7 @@ def test_a_compiled_moonshine_that_offloads_nothing_still_learns_its_encoders_le
 
     torch_dynamo.reset()
     net = moonshine()
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.gradient_checkpointing_enable(**NON_REENTRANT)
     net.train()
     compiled = torch.compile(net, backend="aot_eager")
     controller = OffloadController(Settings(), probe=None, policy=Spy())
@@ -266,7 +274,7 @@ def test_a_tower_on_what_another_tower_computes_is_sized_per_image_before_the_fo
         def decide(self, observation):
             return 6
 
-    net.gradient_checkpointing_enable()
+    net.gradient_checkpointing_enable(**NON_REENTRANT)
     net.train()
     controller = OffloadController(Settings(), probe=None, policy=Every())
     with warnings.catch_warnings(record=True) as caught:

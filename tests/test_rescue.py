@@ -171,7 +171,12 @@ def test_custom_loop_rescue_matches_a_loop_that_never_failed():
     for (name, a), (_, b) in zip(rescued.named_parameters(), reference.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert controller.stats.total_bytes == expected_bytes(64 + 96) and controller.level == 0
-    assert LAYERS == 4
+    # the rerun offloaded every layer of both micro-batches; the steps after it, none
+    assert [(r.offloaded, r.reasons, r.rescued) for r in controller.history] == [
+        ([LAYERS, LAYERS], ["rescue", "rescue"], True),
+        ([0, 0], ["below_high", "below_high"], False),
+        ([0, 0], ["below_high", "below_high"], False),
+    ]
 
 
 class CounterBufferTrainer(Trainer):

@@ -217,3 +217,30 @@ def test_a_long_bad_value_is_shortened_in_the_error(env, arguments):
         Settings.from_env(env, **arguments)
     message = str(error.value)
     assert len(message) < 600 and "characters)" in message, message[:300]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "env", "message"),
+    [
+        ({"memory_high": 0}, {}, r"^argument memory_high=0 is not allowed: expected a fraction in \(0, 1\]"),
+        ({}, {"AUTOOFFLOAD_MEMORY_HIGH": "0"}, r"^AUTOOFFLOAD_MEMORY_HIGH=0\.0 is not allowed: expected a fraction in"),
+        ({"seq_low": -1}, {}, r"^argument seq_low=-1 is not allowed: expected an integer >= 0"),
+        ({}, {"AUTOOFFLOAD_SEQ_LOW": "-1"}, r"^AUTOOFFLOAD_SEQ_LOW=-1 is not allowed: expected an integer >= 0"),
+        ({"compile_max_switches": -1}, {}, r"^argument compile_max_switches=-1 is not allowed: expected an integer"),
+        ({}, {"AUTOOFFLOAD_COMPILE_MAX_SWITCHES": "-1"}, r"^AUTOOFFLOAD_COMPILE_MAX_SWITCHES=-1 is not allowed"),
+    ],
+)
+def test_each_documented_bound_is_refused_from_every_source(monkeypatch, arguments, env, message):
+    """The README's table: memory_high in (0, 1], seq_low and compile_max_switches >= 0. A memory_high of 0 would
+    offload every step; a negative seq_low would never let hysteresis turn offload off."""
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env, **arguments)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=message):
+        AutoOffloadCallback(probe=None, **arguments)
+
+
+def test_the_bounds_themselves_are_allowed():
+    s = Settings(memory_high=1.0, memory_low=0.0, seq_low=0, compile_max_switches=0, min_steps=0)
+    assert (s.memory_high, s.memory_low, s.seq_low, s.compile_max_switches, s.min_steps) == (1.0, 0.0, 0, 0, 0)

@@ -22,17 +22,21 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
   (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
   already held are reused without asking: they are not free memory, but they are ours.
-- **Release.** Pinning is slow (below), and a long micro-batch that comes back after a few short ones must find
-  its buffers still there. So a free buffer is released when the host runs short (less than ``min_free`` free
-  after an optimizer step: of the buffers that step did not use, the longest unused first, as many as the host
-  lacks), after ``release_after`` optimizer steps unused, to make room under the budget, and when the manager
-  goes. Each device whose buffers go is drained once first, so no copy in flight reads an unmapped page.
-- **Pinning ahead.** A new buffer costs its page faults and its registration (3.1 GB/s on an H200 machine: 1.2 s
-  for a 32k-token micro-batch's 3.6 GiB, inside its forward; ``benchmarks/host_pinning.py``). When the
-  controller says what a micro-batch will ask for (:meth:`HostMemory.expect`) and the model is on one CUDA
-  device, the buffers no free one serves are mapped and pinned at once on ``prepare_threads`` threads (the
-  registration releases the GIL), in the order the layers ask, while the forward computes; a request waits
-  only for its own (``pin_seconds``: the time the step waited).
+- **Release.** Pinning is slow: on an H200 machine 3.4 GiB of new buffers added 1.59 s to the 2.04 s
+  32k-token step that needed them (``benchmarks/host_pinning.py``), and a long micro-batch that comes back after
+  a few short ones must find its buffers still there. So a free buffer is released when the host runs short
+  (less than ``min_free`` free after an optimizer step: of the buffers that step did not use, the longest unused
+  first, as many as the host lacks), when it has gone unused for ``release_after`` optimizer steps (offload off
+  for a long while, or sizes that no longer come), to make room under the budget, and when the manager itself
+  goes. Before a release each device whose buffers go is drained once (all its streams), so no copy still in
+  flight reads a page that is being unmapped.
+- **Pinning ahead** (opt-in until a GPU shows it faster: ``PREPARE_THREADS``). A new buffer costs its page faults
+  and its registration (3.1 GB/s on an H200 machine: 1.2 s for a 32k-token micro-batch's 3.4 GiB, inside its
+  forward; ``benchmarks/host_pinning.py``). With ``prepare_threads`` > 0, when the controller says what a
+  micro-batch will ask for (:meth:`HostMemory.expect`) and the model is on one CUDA device, the buffers no free one
+  serves are mapped and pinned at once on that many threads (the registration releases the GIL), in the order the
+  layers ask, while the forward computes; a request waits only for its own (``pin_seconds``: the time the step
+  waited).
 - **Pinning that fails** (WSL caps pinned memory at 1-2 GiB; a driver or container limit): the buffer
   stays pageable, with one warning, and so do later ones; copies into it do not overlap compute.
 """

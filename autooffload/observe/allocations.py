@@ -8,7 +8,9 @@ every allocation and free of its CPU allocator to the profiler when the profiler
 sum of those reports over a window, at its highest, is the window's peak above what was held when it began.
 That is exactly what ``torch.profiler.profile(profile_memory=True)`` shows (tests/test_simulated.py holds the
 two to each other); here the profiler's C++ events are read directly, without building its Python event
-tree (a few milliseconds a step instead of tens), and nothing is printed.
+tree (a few milliseconds a step instead of tens). torch's allocator prints one line per process the first time a
+block allocated before a window is freed inside one ("Memory block of unknown size ..."): a C++ log line this
+module cannot silence without silencing all of torch's (docs/troubleshooting.md says how).
 
 Costs and limits: while a window is open the profiler records every operation (measured: 15-20% slower on the
 ladder's 4-layer model on a CPU); a profiler already running in the thread (yours) cannot share it, so
