@@ -22,7 +22,7 @@ pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_worker import HIDDEN, LAYERS, RANK_LENGTHS, CausalLM, fit, parameters, quiet
 
-from autooffload import AutoOffloadWarning, SettingsError, lifecycle
+from autooffload import AutoOffloadWarning, MemoryReading, ScriptedProbe, SettingsError, lifecycle
 from autooffload.history import read_history
 from autooffload.integrations.lightning import AutoOffload
 from autooffload.observe.costs import FIELDS as COSTS
@@ -106,6 +106,38 @@ def test_resume_from_a_lightning_checkpoint_continues_the_run_exactly(tmp_path):
     assert resumed.controller.state_dict() == whole.controller.state_dict()
     assert module.losses == uninterrupted.losses[4:]
     assert parameters(module) == parameters(uninterrupted)
+
+
+class DeviceReading(ScriptedProbe):
+    """Reads as a GPU's probe does: ``peek()`` is the step's peak so far, which before the step's first training
+    forward is only what the device held when the step began (1% here), and the step's reading after it."""
+
+    def __init__(self) -> None:
+        super().__init__([0.30])
+        self.forwards, self.hook = 0, None
+
+    def watch_model(self, model: torch.nn.Module, optimizer: object = None) -> None:
+        self.hook = model.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def unwatch_model(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+
+    def reset(self) -> None:
+        self.forwards = 0
+
+    def peek(self) -> MemoryReading:
+        return MemoryReading(round((0.30 if self.forwards else 0.01) * self.total_bytes), self.total_bytes)
+
+
+def test_the_first_step_counts_the_optimizer_state_once_though_its_backward_runs_inside_the_step(tmp_path):
+    # Lightning runs a step's last micro-batch (without accumulation, its only one) in the closure it hands to
+    # optimizer.step(): a read before that step is not the backward's peak, so the AdamW state it creates (two
+    # moments per parameter) is still to come, whole.
+    callback = AutoOffload(**SETTINGS, probe=DeviceReading())
+    _, module = fit(tmp_path, [512], [callback], accumulate=1, max_steps=1)
+    state = 2 * sum(p.numel() * p.element_size() for p in module.parameters())
+    assert callback.controller.memory.last.pending_bytes == state
 
 
 def test_a_failing_step_leaves_the_model_detached_and_the_history_written(tmp_path):

@@ -14,9 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HIDDEN, LAYERS, VOCAB, model
+from conftest import HIDDEN, LAYERS, VOCAB, model, train
 
-from autooffload import AutoOffloadWarning, MemoryReading, OffloadController, Settings, SimulatedDevice
+from autooffload import (
+    AutoOffloadCallback,
+    AutoOffloadWarning,
+    MemoryReading,
+    OffloadController,
+    Settings,
+    SimulatedDevice,
+)
 from autooffload.history import read_history
 from autooffload.observe.allocations import AllocationPeak
 
@@ -193,6 +200,14 @@ def test_the_first_sample_counts_the_optimizer_state_once(seq):
     first, *later = [plain for _, plain, _ in controller.policy.samples]
     assert all(first == pytest.approx(other, rel=1e-3) for other in later), (first, later)
     controller.detach()
+
+
+def test_under_trainer_too_the_first_sample_counts_the_optimizer_state_once(tmp_path):
+    # Trainer steps accelerate's wrapper, which hands the torch optimizer's step() a closure of None: still read.
+    callback = AutoOffloadCallback(probe=SimulatedDevice(2**34))
+    train(tmp_path, [64, 64, 64], callbacks=[callback])
+    first, *later = [plain for _, plain, _ in callback.controller.policy.samples]
+    assert later and all(first == pytest.approx(other, rel=1e-3) for other in later), (first, later)
 
 
 def test_a_profiler_already_running_falls_back_to_the_saved_count_with_one_warning():

@@ -12,7 +12,8 @@ it). Later steps hold the state through their backward too. Where the probe can 
 peak (``peek()``), the monitor reads it just before the optimizer's first ``step()`` and counts as still to
 come only what the backward's peak plus the state exceeds the reading by: on one H200 the whole state (0.875
 GiB) was counted though the reading held it (a 2048-token step read 3.600 GiB before and after the state
-existed), and the memory model over-predicted by 24%. Without ``peek()`` the whole state counts, the safe side.
+existed), and the memory model over-predicted by 24%. Without ``peek()``, or where ``step()`` is handed a closure
+that runs the backward inside it (Lightning's), the whole state counts, the safe side.
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ class MemoryMonitor:
         if self.state_at_start or not callable(peek) or not isinstance(inner, torch.optim.Optimizer):
             return
 
-        def before_step(*_: Any) -> None:
-            if self.before_optimizer is None and self.begun:
+        def before_step(_: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+            # A closure (Lightning's) runs the step's forward and backward inside step(), after this: not read.
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
+            if closure is None and self.before_optimizer is None and self.begun:
                 self.before_optimizer = self._peek()
 
         self._optimizer_hook = inner.register_step_pre_hook(before_step)
