@@ -80,3 +80,17 @@ def test_a_step_counts_only_what_happened_since_the_last_one():
     costs.stop()
     assert (first["host_takes"], first["pin_seconds"], first["probe_seconds"]) == (3, 0.25, 0.25)
     assert (second["host_takes"], second["pin_seconds"], second["probe_seconds"]) == (2, 0.0, 0.0)
+
+
+def test_a_new_run_on_the_same_controller_records_the_probe_time_of_its_own_steps():
+    # A custom loop that trains again from scratch calls reset() (OffloadController.reset's docs); the probe's time
+    # is then still counted from the last step, not from the start of the first run (which made it negative).
+    net = model()
+    net.gradient_checkpointing_enable({"use_reentrant": False})
+    controller = OffloadController(Settings(mode="on"), probe=SimulatedDevice(2**34))
+    controller.attach(net)
+    train(controller, net, [64, 64, 64])
+    controller.reset()
+    train(controller, net, [64])
+    controller.detach()
+    assert controller.last_step_costs["probe_seconds"] > 0

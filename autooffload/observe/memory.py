@@ -60,6 +60,7 @@ class MemoryMonitor:
         self.warn = warn
         self.probe: MemoryProbe | None = None
         self.optimizer: Any = None
+        self.read_seconds = 0.0  # time spent reading the probe (reset, peek, read): a running total, as costs read it
         self.reset()
 
     def reset(self) -> None:
@@ -73,7 +74,6 @@ class MemoryMonitor:
         self.before_optimizer: int | None = None  # the step's peak so far, read before the optimizer's first step
         self._optimizer_hook: Any = None
         self.tried_bytes: int | None = None  # the allocation the running step failed on
-        self.read_seconds = 0.0  # time spent reading the probe (reset, peek, read), over the run
 
     def attach(self, model: torch.nn.Module, devices: tuple[torch.device, ...], optimizer: Any, settings: Any) -> None:
         """Make the probe for ``model`` on ``devices`` and hand it the model where it counts the model itself."""
