@@ -144,7 +144,10 @@ class MemoryMonitor:
         self.before_optimizer = None
         inner = unwrap_optimizer(self.optimizer)
         peek = getattr(self.probe, "peek", None)
-        if self.state_at_start or not callable(peek) or not isinstance(inner, torch.optim.Optimizer):
+        # torch's step hooks run only where torch's Optimizer.__init__ ran: not in accelerate's wrapper of DeepSpeed's
+        # optimizer (a torch Optimizer subclass around one that is none), where registering one raises.
+        hooks = getattr(inner, "_optimizer_step_pre_hooks", None)
+        if self.state_at_start or not callable(peek) or not isinstance(inner, torch.optim.Optimizer) or hooks is None:
             return
 
         def before_step(_: Any, args: tuple, kwargs: dict[str, Any]) -> None:
