@@ -564,6 +564,27 @@ def test_pinning_ahead_stays_within_the_budget_and_what_the_host_has_free():
     assert tight.allocations == 1
 
 
+def test_a_request_larger_than_any_prepared_buffer_stays_within_the_budget_with_them():
+    # The controller's first guess of a layer's input was too small: the buffers prepared for it do not fit the
+    # request, which makes its own. Those still being pinned land beside it: the budget holds all of them.
+    pinning, main = Pinning(), threading.get_ident()
+    go = threading.Event()
+
+    def register(buffer: torch.Tensor) -> None:
+        if threading.get_ident() != main:  # the preparing threads' registrations wait; the step's own do not
+            assert go.wait(timeout=30)
+        Pinning.register(pinning, buffer)
+
+    pinning.register = register  # type: ignore[method-assign]
+    host = pinning.host(budget_bytes=6 * PAGE, prepare_threads=2)
+    host.set_budget("auto", [GPU])
+    host.expect([2 * PAGE, 2 * PAGE])
+    threading.Timer(0.1, go.set).start()
+    host.take(3 * PAGE, GPU)
+    host.release_all()  # once those being prepared have landed
+    assert host.peak_held_bytes <= 6 * PAGE
+
+
 def test_a_model_not_on_one_cuda_device_prepares_nothing():
     for devices in ([CPU], [GPU, torch.device("cuda", 1)], []):
         host = Pinning().host(prepare_threads=2)

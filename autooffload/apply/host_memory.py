@@ -206,9 +206,9 @@ class HostMemory:
                     self._preparing.remove(size)
                     self._landed.notify_all()
 
-    def _wait_for_prepared(self, nbytes: int, device: torch.device) -> None:
-        """Where no free buffer fits ``nbytes`` but one being prepared ahead will, wait for it to land (the wait
-        counts in ``pin_seconds``: the step's time spent on pinning)."""
+    def _wait_for_prepared(self, nbytes: int, device: torch.device | None) -> None:
+        """Where no free buffer fits ``nbytes`` but one being prepared ahead will, wait for it to land; with no
+        ``device``, for all of them (the wait counts in ``pin_seconds``: the step's time spent on pinning)."""
         began = time.perf_counter()
         while any(size >= nbytes for size in self._preparing) and not any(
             b.nbytes >= nbytes for b in self._free.get(device, [])
@@ -247,7 +247,8 @@ class HostMemory:
                     "already held stay on the device",
                 )
                 return None
-            if budget is not None and self.held_bytes + size > budget:
+            if budget is not None and self.held_bytes + sum(self._preparing) + size > budget:
+                self._wait_for_prepared(0, None)  # they land free, to be released for room, not held beside it
                 smaller = sorted((b for bs in self._free.values() for b in bs if b.nbytes < nbytes), key=_size)
                 oversized = sorted((b for bs in self._free.values() for b in bs if b.nbytes >= nbytes), key=_size)
                 self._release([*reversed(oversized), *smaller], size)
@@ -324,8 +325,7 @@ class HostMemory:
     def release_all(self) -> None:
         """Release every free buffer (end of training), once those being prepared have landed."""
         with self._landed:
-            while self._preparing and self._landed.wait(timeout=PREPARE_WAIT_S):
-                pass
+            self._wait_for_prepared(0, None)
             self._release([b for bs in self._free.values() for b in bs], None)
 
     def __del__(self, _finalizing=sys.is_finalizing) -> None:
