@@ -219,6 +219,47 @@ def test_a_wrapper_of_torchs_checkpoint_is_steered_on_every_release(tmp_path):
     assert_same_parameters(net, reference_net)
 
 
+class WrapsAtTrainBegin(TrainerCallback):
+    """Another tool that wraps each layer's checkpoint function with ``functools.wraps`` as training begins, after
+    autooffload installed its own (a tracer, a profiler): it counts the calls and calls what it found."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for layer in model.model.layers:
+            layer._gradient_checkpointing_func = self.tracing(layer._gradient_checkpointing_func)
+
+    def tracing(self, inner):
+        @functools.wraps(inner)
+        def traced(layer_call, *args, **kwargs):
+            self.calls += 1
+            return inner(layer_call, *args, **kwargs)
+
+        return traced
+
+
+def test_a_wrapper_put_around_autooffloads_keeps_the_frameworks_wrapper_beneath(tmp_path):
+    """Freeze tuning behind a framework's wrapper, reentrant: the frozen layers skip the checkpoint and only the
+    wrapper's requires_grad_() lets the last layer learn. A tool wraps autooffload's functions (the framework's
+    wrapper rebuilt around autooffload's) as training begins: both wrappers run, as they would without autooffload.
+    Before, the functions installed under the new wrapper dropped the framework's (the run failed in its first
+    backward: no input of the checkpoint required grad)."""
+    lengths = [64, 96]
+    plain = WrapsAtTrainBegin()
+    reference, reference_net, _ = run(tmp_path / "plain", lengths, [plain], frozen=1, wiring=skipping_checkpointing)
+    callback, wraps = AutoOffloadCallback(mode="on", probe=None), WrapsAtTrainBegin()
+    moved = Moved(callback)
+    trainer, net, warned = run(
+        tmp_path / "auto", lengths, [callback, wraps, moved], frozen=1, wiring=skipping_checkpointing
+    )
+    assert warned == []
+    assert wraps.calls == plain.calls == len(net.model.layers) * len(lengths)
+    assert moved.rows == [expected_bytes(s, layers=1) for s in lengths]  # the trainable layer alone checkpoints
+    assert losses(trainer) == losses(reference)
+    assert_same_parameters(net, reference_net)
+
+
 def recompute_nothing(function, *args, **kwargs):
     """A checkpoint function that is not torch's: it just calls the layer."""
     return function(*args, **kwargs)
