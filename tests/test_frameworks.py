@@ -260,6 +260,25 @@ def test_a_wrapper_put_around_autooffloads_keeps_the_frameworks_wrapper_beneath(
     assert_same_parameters(net, reference_net)
 
 
+def test_a_failure_inside_autooffload_keeps_the_frameworks_wrapper(tmp_path, monkeypatch):
+    """Giving up installs plain checkpointing: around it, the framework's wrapper autooffload steered through, not
+    torch's checkpoint bare. Before, freeze tuning with reentrant checkpointing failed in its first backward after
+    the failure (the wrapper's requires_grad_() gone)."""
+    import autooffload.decide.planner as planner_module
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    lengths = [64, 96]
+    reference, reference_net, _ = run(tmp_path / "plain", lengths, frozen=1, wiring=skipping_checkpointing)
+    monkeypatch.setattr(planner_module, "host_cap", boom)
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    trainer, net, warned = run(tmp_path / "auto", lengths, [callback], frozen=1, wiring=skipping_checkpointing)
+    assert len(warned) == 1 and "internal error in the pre-forward hook" in warned[0], warned
+    assert losses(trainer) == losses(reference)
+    assert_same_parameters(net, reference_net)
+
+
 def recompute_nothing(function, *args, **kwargs):
     """A checkpoint function that is not torch's: it just calls the layer."""
     return function(*args, **kwargs)
