@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, SettingsError
+from autooffload.rescue import rescuing
 
 # From transformers 5.23 a checkpointed layer hands ``partial(forward, layer)`` to the checkpoint function, with no
 # ``__self__`` to find the layer by; LLaMA-Factory 0.9.5 (transformers <= 5.6) reads it from ``__call__``'s.
@@ -339,7 +340,7 @@ def test_axolotl_plugin_trains_with_the_settings_and_the_rescue(tmp_path, value,
     trainer, ours, moved = axolotl_run(tmp_path, {"autooffload": value, "gradient_checkpointing": True})
     assert len(ours) == 1 and ours[0].controller.settings.mode == mode
     assert moved == ([expected_bytes(s) for s in (64, 96)] if mode == "on" else [0, 0])
-    assert getattr(trainer.training_step, "_autooffload_rescue", False)
+    assert rescuing(trainer)
 
 
 @pytest.mark.parametrize(
