@@ -33,6 +33,10 @@ from .observe.probe import MemoryProbe
 from .settings import ENV_PREFIX, Settings, offload_mode
 
 PEAKED_DELTA = "train_mem_gpu_peaked_delta"
+# The log wrappers autooffload put on a Trainer (each calls its ``__wrapped__``): known by identity, never by an
+# attribute (a MagicMock a test patches ``trainer.log`` with answers every one).
+_LOG_WRAPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_CLEANING_UP: weakref.WeakSet[Any] = weakref.WeakSet()  # the trains _clean_up_when_train_raises made
 
 
 def checkpointing_kwargs(args: Any) -> dict[str, Any]:
@@ -249,16 +253,16 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         if trainer is None:
             return
         log: Any = trainer.log
-        if getattr(log, "_autooffload", None) is not None:
-            log = log._autooffload_inner
+        if log in _LOG_WRAPPERS:
+            log = log.__wrapped__
 
         def log_with_autooffload(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
             logs.update(self._metrics_for(logs))
             self._restore_peaked_delta(logs)
             return log(logs, *args, **kwargs)
 
-        log_with_autooffload._autooffload = True  # type: ignore[attr-defined]
-        log_with_autooffload._autooffload_inner = log  # type: ignore[attr-defined]
+        log_with_autooffload.__wrapped__ = log  # type: ignore[attr-defined]
+        _LOG_WRAPPERS.add(log_with_autooffload)
         trainer.log = log_with_autooffload  # type: ignore[method-assign]
         self._log_wrapped = True
 
@@ -345,8 +349,10 @@ def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
     """Wrap ``trainer.train`` on the instance: Trainer calls no ``on_train_end`` when ``train()`` raises, so the
     wrapper writes the history and detaches the controller (no hook left on the model) before the error goes on.
     No end-of-training collective: the other ranks may not get there. Wrapping twice does nothing."""
+    from .rescue import made_here
+
     train = trainer.train
-    if getattr(train, "_autooffload_cleanup", False):
+    if made_here(train, _CLEANING_UP):
         return
 
     @functools.wraps(train)
@@ -357,5 +363,5 @@ def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
             callback().abandon()
             raise
 
-    train_with_clean_up._autooffload_cleanup = True  # type: ignore[attr-defined]
+    _CLEANING_UP.add(train_with_clean_up)
     trainer.train = train_with_clean_up  # type: ignore[method-assign]

@@ -56,6 +56,7 @@ from __future__ import annotations
 import gc
 import re
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -64,6 +65,8 @@ import torch
 from .controller import OffloadController
 
 Result = TypeVar("Result")
+MAX_LINKS = 8  # wrappers followed down to one of autooffload's
+_RESCUING: weakref.WeakSet[Any] = weakref.WeakSet()  # the training steps with_rescue made
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -192,7 +195,7 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
     first call (:func:`rescue_refusal`), the error is raised as it is, with that reason as a note.
     """
     inner = trainer.training_step
-    if getattr(inner, "_autooffload_rescue", False):
+    if made_here(inner, _RESCUING):
         return
     earlier: list[tuple[Any, tuple, dict]] = []
     current: dict[str, Any] = {"state": None, "step": None, "rng": None}
@@ -224,5 +227,23 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
         earlier.append((inputs, args, kwargs))
         return loss
 
-    training_step._autooffload_rescue = True  # type: ignore[attr-defined]
+    training_step.__wrapped__ = inner  # type: ignore[attr-defined]
+    _RESCUING.add(training_step)
     trainer.training_step = training_step
+
+
+def rescuing(trainer: Any) -> bool:
+    """Does ``trainer.training_step`` run through the rescue (:func:`with_rescue`)?"""
+    return made_here(trainer.training_step, _RESCUING)
+
+
+def made_here(function: Any, made: weakref.WeakSet[Any]) -> bool:
+    """Is ``function`` one of ``made`` (autooffload's wrappers of a Trainer's methods), or a wrapper around one
+    (``__wrapped__``, link after link)? By identity, never by an attribute: a ``MagicMock`` answers every one."""
+    for _ in range(MAX_LINKS):
+        if function is None:
+            return False
+        if function in made:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False

@@ -232,6 +232,7 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from autooffload import AutoOffloadWarning, attach
+    from autooffload.rescue import rescuing
 
     class InOrderTrainer(Trainer):
         def _get_train_sampler(self, *args, **kwargs):
@@ -306,7 +307,7 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
     }
     if ours is not None:
         result.update(
-            rescue_wrapped=bool(getattr(trainer.training_step, "_autooffload_rescue", False)),
+            rescue_wrapped=rescuing(trainer),
             rescue_setting=ours.controller.settings.rescue,
             levels=levels,
             local=policy.local,

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import TrainerCallback
 
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, SettingsError
+from autooffload.rescue import rescuing
 
 # From transformers 5.23 a checkpointed layer hands ``partial(forward, layer)`` to the checkpoint function, with no
 # ``__self__`` to find the layer by; LLaMA-Factory 0.9.5 (transformers <= 5.6) reads it from ``__call__``'s.
@@ -219,6 +220,66 @@ def test_a_wrapper_of_torchs_checkpoint_is_steered_on_every_release(tmp_path):
     assert_same_parameters(net, reference_net)
 
 
+class WrapsAtTrainBegin(TrainerCallback):
+    """Another tool that wraps each layer's checkpoint function with ``functools.wraps`` as training begins, after
+    autooffload installed its own (a tracer, a profiler): it counts the calls and calls what it found."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for layer in model.model.layers:
+            layer._gradient_checkpointing_func = self.tracing(layer._gradient_checkpointing_func)
+
+    def tracing(self, inner):
+        @functools.wraps(inner)
+        def traced(layer_call, *args, **kwargs):
+            self.calls += 1
+            return inner(layer_call, *args, **kwargs)
+
+        return traced
+
+
+def test_a_wrapper_put_around_autooffloads_keeps_the_frameworks_wrapper_beneath(tmp_path):
+    """Freeze tuning behind a framework's wrapper, reentrant: the frozen layers skip the checkpoint and only the
+    wrapper's requires_grad_() lets the last layer learn. A tool wraps autooffload's functions (the framework's
+    wrapper rebuilt around autooffload's) as training begins: both wrappers run, as they would without autooffload.
+    Before, the functions installed under the new wrapper dropped the framework's (the run failed in its first
+    backward: no input of the checkpoint required grad)."""
+    lengths = [64, 96]
+    plain = WrapsAtTrainBegin()
+    reference, reference_net, _ = run(tmp_path / "plain", lengths, [plain], frozen=1, wiring=skipping_checkpointing)
+    callback, wraps = AutoOffloadCallback(mode="on", probe=None), WrapsAtTrainBegin()
+    moved = Moved(callback)
+    trainer, net, warned = run(
+        tmp_path / "auto", lengths, [callback, wraps, moved], frozen=1, wiring=skipping_checkpointing
+    )
+    assert warned == []
+    assert wraps.calls == plain.calls == len(net.model.layers) * len(lengths)
+    assert moved.rows == [expected_bytes(s, layers=1) for s in lengths]  # the trainable layer alone checkpoints
+    assert losses(trainer) == losses(reference)
+    assert_same_parameters(net, reference_net)
+
+
+def test_a_failure_inside_autooffload_keeps_the_frameworks_wrapper(tmp_path, monkeypatch):
+    """Giving up installs plain checkpointing: around it, the framework's wrapper autooffload steered through, not
+    torch's checkpoint bare. Before, freeze tuning with reentrant checkpointing failed in its first backward after
+    the failure (the wrapper's requires_grad_() gone)."""
+    import autooffload.decide.planner as planner_module
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    lengths = [64, 96]
+    reference, reference_net, _ = run(tmp_path / "plain", lengths, frozen=1, wiring=skipping_checkpointing)
+    monkeypatch.setattr(planner_module, "host_cap", boom)
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    trainer, net, warned = run(tmp_path / "auto", lengths, [callback], frozen=1, wiring=skipping_checkpointing)
+    assert len(warned) == 1 and "internal error in the pre-forward hook" in warned[0], warned
+    assert losses(trainer) == losses(reference)
+    assert_same_parameters(net, reference_net)
+
+
 def recompute_nothing(function, *args, **kwargs):
     """A checkpoint function that is not torch's: it just calls the layer."""
     return function(*args, **kwargs)
@@ -279,7 +340,7 @@ def test_axolotl_plugin_trains_with_the_settings_and_the_rescue(tmp_path, value,
     trainer, ours, moved = axolotl_run(tmp_path, {"autooffload": value, "gradient_checkpointing": True})
     assert len(ours) == 1 and ours[0].controller.settings.mode == mode
     assert moved == ([expected_bytes(s) for s in (64, 96)] if mode == "on" else [0, 0])
-    assert getattr(trainer.training_step, "_autooffload_rescue", False)
+    assert rescuing(trainer)
 
 
 @pytest.mark.parametrize(

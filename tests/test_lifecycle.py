@@ -231,6 +231,21 @@ def test_a_failed_train_leaves_one_controller_for_the_next_run(tmp_path, through
     assert all(ours(f) is not None for f in checkpoint_functions(net))
 
 
+def test_a_failed_train_under_a_mock_over_train_is_cleaned_up(tmp_path):
+    """``trainer.train`` patched with a ``MagicMock`` that calls the real one before ``attach``: a mock answers every
+    attribute and must not be taken for autooffload's own clean-up wrapper, which detaches when train() raises."""
+    import unittest.mock
+
+    net = model()
+    trainer = FailingTrainer(model=net, args=training_args(tmp_path, 3), train_dataset=dataset([64, 96, 128]))
+    trainer.fail_at = 2
+    with unittest.mock.patch.object(trainer, "train", side_effect=trainer.train):
+        failed = attach(trainer, mode="on", probe=None)
+        with pytest.raises(RuntimeError, match="injected"):
+            trainer.train()
+    assert hooks_of(net) == [] and failed.controller.switch is None
+
+
 def test_attaching_a_second_controller_retires_the_first():
     net = checkpointed()
     originals = checkpoint_functions(net)

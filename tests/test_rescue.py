@@ -120,6 +120,30 @@ def test_rescue_off_raises_at_once(tmp_path, monkeypatch):
     assert raised.value is injector.errors[0] and injector.calls == FAIL_AT
 
 
+def test_a_mock_over_training_step_is_rescued_through(tmp_path):
+    """A test that counts the steps patches ``trainer.training_step`` with a ``MagicMock`` calling the real one
+    before ``attach``. A mock answers every attribute: it must not be taken for the rescue's own wrapper (then
+    nothing is wrapped and the out-of-memory error ends the run)."""
+    import unittest.mock
+
+    from conftest import InOrderTrainer
+
+    reference, reference_net, _, _ = run(tmp_path / "reference", None)
+    net = model()
+    injector = Injector(at=FAIL_AT)
+    injector.install(net, "forward")
+    args = training_args(tmp_path / "mocked", len(LENGTHS) // 2, gradient_accumulation_steps=2)
+    trainer = InOrderTrainer(model=net, args=args, train_dataset=dataset(LENGTHS))
+    with unittest.mock.patch.object(trainer, "training_step", side_effect=trainer.training_step) as step:
+        callback = attach(trainer, probe=None)
+        trainer.train()
+    assert len(injector.errors) == 1 and callback.controller.record.rescues == 1
+    assert step.call_count == len(LENGTHS) + 2  # the rerun replays step 1's two micro-batches through the mock
+    assert losses(trainer) == losses(reference)
+    for (name, a), (_, b) in zip(net.named_parameters(), reference_net.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_attach_uses_the_trainer_callback_and_wraps_once(tmp_path):
     from conftest import InOrderTrainer
 

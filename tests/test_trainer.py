@@ -124,6 +124,24 @@ def test_log_keys_reach_log_history_and_reporting_callbacks(tmp_path):
     assert [r["autooffload/active"] for r in reporter.seen if "loss" in r] == [1.0, 1.0]
 
 
+def test_a_mock_over_trainer_log_is_called_with_the_keys_and_trainers_log_still_runs(tmp_path):
+    """A test that captures a run's logs patches ``trainer.log`` with a ``MagicMock`` calling the real one. A mock
+    answers every attribute: it must not be taken for autooffload's own log wrapper (whose inner log would then be
+    one of the mock's children, called instead of the mock and of Trainer's log: no loss in the history)."""
+    import unittest.mock
+
+    from conftest import InOrderTrainer
+
+    callback = AutoOffloadCallback(mode="on", probe=None)
+    args = training_args(tmp_path, 2)
+    trainer = InOrderTrainer(model=model(), args=args, train_dataset=dataset([64, 128]), callbacks=[callback])
+    with unittest.mock.patch.object(trainer, "log", side_effect=trainer.log) as log:
+        trainer.train()
+    training_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["autooffload/offloaded_bytes"] for h in training_logs] == [expected_bytes(64), expected_bytes(128)]
+    assert [call.args[0]["autooffload/active"] for call in log.call_args_list if "loss" in call.args[0]] == [1.0] * 2
+
+
 def test_no_memory_reading_gives_one_warning_and_a_working_run(tmp_path):
     callback = AutoOffloadCallback(seq_high=200, seq_low=100)  # probe "auto": NVML, absent on this machine
     with warnings.catch_warnings(record=True) as caught:

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..observe.ours import ours, register
-from ..observe.targets import checkpoint_wrapper_type, torch_checkpoint_kwargs
+from ..observe.ours import register
+from ..observe.targets import checkpoint_wrapper_type, replaced, torch_checkpoint_kwargs
+from ..observe.wrapped import rewrap, wrapper_chain
 from .engines import OffloadEngine
 from .forward import ForwardState, LayerCalls
 from .offload import OffloadStats
@@ -102,7 +103,8 @@ def install_plain(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Ca
         function = getattr(module, attribute, None) if attribute else None
         kwargs = torch_checkpoint_kwargs(function) if function is not None else None
         if kwargs is not None:
-            made = ours(function)
-            setattr(module, attribute, register(plain_function(kwargs), made.original if made else function, kwargs))
+            original = replaced(function)
+            wrappers = wrapper_chain(original, lambda inner: torch_checkpoint_kwargs(inner) is not None) or ()
+            setattr(module, attribute, register(rewrap(wrappers, plain_function(kwargs)), original, kwargs))
             installed.append((module, attribute, getattr(module, attribute)))
     return installed

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .ours import ours
 from .stacks import plan_stacks
-from .wrapped import wrapper_chain
+from .wrapped import rewrap, wrapper_chain
 
 NOT_TORCH_KEYS = ("offload", "every_n_layers")
 
@@ -141,8 +141,7 @@ def checkpointed_modules(model: torch.nn.Module) -> tuple[list[CheckpointTarget]
         else:
             continue
         function = getattr(module, attribute)
-        made = ours(function)
-        original = made.original if made is not None else function
+        original = replaced(function)
         controllable = _controllable(function, original)
         if controllable is None:
             unknown.append(Foreign(name or type(module).__name__, function, module, attribute))
@@ -167,6 +166,22 @@ def planned_layers(targets: list[CheckpointTarget]) -> list[LayerSlot]:
     """The planned layers, in module order: a layer target itself, or each of a container target's calls."""
     planned = [t for t in targets if t.text and t.kind in ("layer", "container")]
     return [LayerSlot(target, index) for target in planned for index in range(target.size)]
+
+
+def replaced(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The function ``function`` stands for, which a restore puts back: one of autooffload's own stands for the
+    function it replaced (:mod:`.ours`); wrappers put around one of them (``functools.wraps``, after autooffload
+    installed it) stand for the same wrappers around that function, so that a framework's wrapper autooffload was
+    steering through stays beneath them."""
+    made = ours(function)
+    if made is not None:
+        return made.original
+    chain = wrapper_chain(function, lambda inner: ours(inner) is not None)
+    if not chain:
+        return function
+    made = ours(chain[-1].__wrapped__)
+    assert made is not None
+    return rewrap(chain, made.original)
 
 
 def _controllable(function: Callable[..., Any], original: Callable[..., Any]) -> tuple[dict[str, Any], tuple] | None:

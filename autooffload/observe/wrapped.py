@@ -7,9 +7,10 @@ directly (no checkpoint) and marks the first floating-point argument (the hidden
 before it checkpoints the others.
 
 autooffload runs such a wrapper's own code with the function it wraps replaced by one of its own (plain,
-offloading or keep): a new function object with the wrapper's code, globals and defaults, whose closure cell
-that held the wrapped function holds autooffload's instead. Nothing the wrapper does around the call changes,
-and nothing of it is reimplemented here.
+offloading or keep): a new function object with the wrapper's code, globals, defaults and attributes, whose
+closure cell that held the wrapped function holds autooffload's instead (and ``__wrapped__`` names it, so that
+it is followed as the wrapper was). Nothing the wrapper does around the call changes, and nothing of it is
+reimplemented here.
 
 A wrapper qualifies when it is a Python function whose ``__wrapped__`` sits in one of its closure cells (what
 ``functools.wraps`` over a closure variable gives), link after link, down to a checkpoint that switch.py knows.
@@ -50,6 +51,8 @@ def rewrap(chain: Sequence[types.FunctionType], inner: Callable[..., Any]) -> Ca
         rebuilt.__kwdefaults__ = wrapper.__kwdefaults__
         rebuilt.__qualname__ = wrapper.__qualname__
         rebuilt.__module__ = wrapper.__module__
+        rebuilt.__dict__.update(wrapper.__dict__)
+        rebuilt.__wrapped__ = inner  # type: ignore[attr-defined]
         inner = rebuilt
     return inner
 
