@@ -145,7 +145,7 @@ class RankAgreement:
     def end_run(self) -> None:
         """A run ended (or a new one starts): the next collective is the next run's join."""
         self.joined = False  # this run's join was made
-        self.due = False  # a training micro-batch entered the model and its agreement is not made yet
+        self.due = False  # a training micro-batch is being decided and its agreement is not made yet
         self.gave_up: int | None = None  # the rank that gave up, once every rank knows: no collective after
         self.owing = False  # this rank gave up and the others do not know yet
 
@@ -158,10 +158,11 @@ class RankAgreement:
         live = self.joined and self.ranks_agree and self.gave_up is None and self.settings.mode == "auto"
         return live and self.active()
 
-    def entered(self) -> None:
-        """A training micro-batch under grad entered the model (the forward hooks say so before anything of the
-        controller runs): its agreement is due until :meth:`agree` makes it."""
-        self.due = self.per_micro_batch()
+    def deciding(self, on: bool) -> None:
+        """A training micro-batch under grad is being decided (the forward hooks say so around the call that decides,
+        :class:`~autooffload.apply.hooks.ForwardHooks`): its agreement is due from then until :meth:`agree` makes it,
+        or the call is passed by to an entry inside it, or the decision is over (``on`` False) without it."""
+        self.due = on and self.per_micro_batch()
 
     def join(self, ready: bool, warn: Callable[[str, str], Any] | None = None, *, gave_up: bool = False) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there

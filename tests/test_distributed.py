@@ -400,3 +400,26 @@ def test_deepspeed_zero_trainer(tmp_path, stage, deepspeed_comm_op):
         assert resumed["warnings"] == []
     assert ranks[0]["attach"]["local"] == [0, every, 0, 0] and ranks[1]["attach"]["local"] == [0, 0, 0, every]
     assert ranks[0]["resumed"]["state"]["total_bytes"] == ranks[0]["attach"]["state"]["total_bytes"]
+
+
+@needs_gloo
+def test_a_rank_giving_up_inside_a_running_forward_tells_at_the_next_micro_batch(tmp_path):
+    """Rank 1 fails inside a forward after its micro-batch's agreement: a tiny T5 in an encoder layer's report (the
+    decoder stack's entry follows in the same forward), a tiny Qwen3 in its pre-forward hook after the agreement
+    (Qwen3Model's entry follows). Before: its notice fired at that inner entry, in the forward already running, and
+    met rank 0's gradient all-reduce (gloo aborted both ranks). Now it is made at the next micro-batch's agreement:
+    every rank finishes every step with the losses and parameters of the run without autooffload."""
+    ranks = run_ranks("give_up_in_forward", tmp_path, timeout_s=300)
+    for name in ("t5", "qwen3"):
+        for result in ranks:
+            plain, run = result[f"{name}_False"], result[f"{name}_True"]
+            assert plain["steps"] == run["steps"] == len(LENGTHS), name
+            assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"], name
+        # Micro-batch 1 agreed, micro-batch 2 agreed before rank 1 failed, micro-batch 3 carried the flag: 3 each.
+        assert ranks[0][f"{name}_True"]["collectives"] == ranks[1][f"{name}_True"]["collectives"] == 3, name
+        (mine,) = ranks[1][f"{name}_True"]["warnings"]
+        where = "a layer call's report" if name == "t5" else "the pre-forward hook"
+        assert f"internal error in {where} (RuntimeError: injected failure on rank 1)" in mine
+        (theirs,) = ranks[0][f"{name}_True"]["warnings"]
+        assert "rank 1 gave up (its own warning says why)" in theirs
+    assert ranks[1]["t5_True"]["failed_at"] == [1]  # an encoder layer
