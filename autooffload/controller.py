@@ -85,14 +85,15 @@ class OffloadController(Run):
         frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
-            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames,
+            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames, faults=self.faults,
         )  # fmt: skip
         self._adopt(layout, frames is not None)
         recompute, layers = self.settings.recompute, len(layout.layers)
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)
         backwards = self.planner.backward if recompute == "auto" else None
-        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.deciding, self._leave)
+        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.deciding, self._leave,
+                                  self.faults)  # fmt: skip
         fixed = self.planner.fixed_level(self.memory.rescuing)
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
@@ -223,8 +224,7 @@ class OffloadController(Run):
         self.record.installed(self.switch.offloaded, self.switch.kept, len(self.switch.layers))
 
     def _rebuild_if_replaced(self) -> None:
-        """Rebuild the switch where the model's checkpoint functions changed hands (a trainer's disable and enable
-        around its reference forward: :meth:`~autooffload.apply.switch.CheckpointSwitch.unchanged`)."""
+        """Rebuild the switch where the model's checkpoint functions changed hands (a trainer's disable and enable)."""
         assert self.switch is not None and self._model is not None
         if self.switch.unchanged():
             return

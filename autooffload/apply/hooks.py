@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults
 from ..observe.stacks import Stack
 from .keep import count_backwards
 
@@ -40,7 +41,8 @@ class ForwardHooks:
     (``enter`` returns False). ``on_backward``: called once per backward that reaches the model's last trainable
     parameter; ``deciding(True)`` and ``deciding(False)``: around ``enter`` for a call in train mode under grad (a
     training micro-batch: a call passed by and the entry inside it each), and must not raise;
-    ``leave(raised)``: called when the call that ``enter`` took ends (its forward ran, or raised).
+    ``leave(raised)``: called when the call that ``enter`` took ends (its forward ran, or raised); ``faults``: where
+    the backward counter's failures are noted (:class:`~autooffload.guard.StepFaults`).
     :meth:`follow` watches the entries of a layout read again (a trainer that reinstalled checkpointing may plan
     other stacks)."""
 
@@ -52,6 +54,7 @@ class ForwardHooks:
         on_backward: Callable[[], None] | None = None,
         deciding: Callable[[bool], None] | None = None,
         leave: Callable[[bool], None] | None = None,
+        faults: StepFaults | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
         self.model = model
@@ -63,7 +66,7 @@ class ForwardHooks:
         self._handles = self._watch(model)
         self._entry_handles: list[Any] = []
         self.follow(entries)
-        self._backward = count_backwards(model, on_backward) if on_backward is not None else None
+        self._backward = count_backwards(model, on_backward, faults) if on_backward is not None else None
 
     def hand_over(self, enter: Enter) -> None:
         """From now on ``enter`` decides each call, and nothing else of the old owner runs (its ``leave``, its

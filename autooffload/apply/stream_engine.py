@@ -61,11 +61,17 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults, in_step, nothing
 from ..observe.saved import storage_key
+from .host_memory import cuda_drain
 from .offload import LayerInput, OffloadStats, storage_keys
 from .streams import HostPool, Streams
 
 MIN_BYTES = 1024
+PACK = in_step("the stream engine's pack hook")
+UNPACK = in_step("the stream engine's unpack hook")
+REGION_END = in_step("the stream engine's region end")
+COPY_END = in_step("the stream engine's host copy end")
 
 
 class _Region:
@@ -122,7 +128,18 @@ class _HostCopy:
         dtype, size, stride, offset = layout
         return torch.empty(0, dtype=dtype, device=self.device).set_(self.resident, offset, size, stride)
 
+    def restored(self, layout: tuple) -> torch.Tensor:
+        """The saved tensor on the device by the plainest way (an unpack hook's fallback): the device drained, so
+        that its copy to the host is done, then a copy back."""
+        cuda_drain(self.device)
+        storage = self.buffer[: self.nbytes].to(self.device, copy=True).untyped_storage()
+        dtype, size, stride, offset = layout
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+
     def __del__(self) -> None:
+        self.engine.faults.shield(COPY_END, self._end, nothing)()
+
+    def _end(self) -> None:
         if self.pending is not None:
             _target, ready, compute = self.pending
             self.engine.streams.wait(compute, ready)
@@ -140,6 +157,13 @@ class _Packed:
         layout: tuple | None = None,
     ) -> None:
         self.region, self.tensor, self.copy, self.layout = region, tensor, copy, layout
+
+    def restored(self) -> torch.Tensor:
+        """The saved tensor by the plainest way (an unpack hook's fallback)."""
+        if self.copy is None or self.layout is None:
+            assert self.tensor is not None
+            return self.tensor
+        return self.copy.restored(self.layout)
 
 
 class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -163,18 +187,24 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
                 return packed
             return engine._pack(tensor, region, keep)
 
-        super().__init__(pack, engine._unpack)
+        def kept(tensor: torch.Tensor) -> _Packed:
+            return _Packed(region, tensor=tensor)
+
+        faults = engine.faults
+        super().__init__(faults.shield(PACK, pack, kept), faults.shield(UNPACK, engine._unpack, _Packed.restored))
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
-        self.engine._close_region(self.region)
+        self.engine.faults.shield(REGION_END, self.engine._close_region, nothing)(self.region)
 
 
 class StreamEngine:
     """Saved-tensor hooks per checkpointed layer that overlap offload copies with compute (module docs).
 
     ``streams`` and ``pool`` are the device and host sides (replaceable in tests); ``modules``: whose
-    parameters and registered buffers are never offloaded (nor any other parameter, by its type).
+    parameters and registered buffers are never offloaded (nor any other parameter, by its type); ``faults``: where
+    its hooks' failures are noted (:class:`~autooffload.guard.StepFaults`; a pack that fails keeps its tensor on the
+    device, an unpack that fails copies it back once the device is drained).
     """
 
     def __init__(
@@ -185,8 +215,10 @@ class StreamEngine:
         pool: HostPool | None = None,
         min_bytes: int = MIN_BYTES,
         modules: Iterable[torch.nn.Module] = (),
+        faults: StepFaults | None = None,
     ) -> None:
         self.stats = stats
+        self.faults = faults if faults is not None else StepFaults()
         self.streams = streams if streams is not None else Streams()
         self.pool = pool if pool is not None else HostPool()
         self.min_bytes = min_bytes
