@@ -155,13 +155,26 @@ def guarded(where: str, default: Any = None, *, always: bool = False) -> Callabl
     return decorate
 
 
+class ModifiedInPlace(RuntimeError):
+    """A tensor a checkpointed layer saved was modified in place before the backward used it: the training step's
+    error, which plain checkpointing raises too (autograd checks a saved tensor's version; under saved-tensor hooks
+    it does not, so autooffload's hooks check it themselves)."""
+
+    def __init__(self, shape: Any, version: int, expected: int) -> None:
+        super().__init__(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+            f"tensor of shape {list(shape)} saved for a checkpointed layer is at version {version}; expected version "
+            f"{expected} instead (plain checkpointing raises this too)"
+        )
+
+
 def training_error(error: BaseException) -> bool:
     """An error of the training step, not of autooffload, which propagates as it is: a device out-of-memory
-    error, or an accelerator error (``torch.AcceleratorError``, torch 2.8+; before it, a ``RuntimeError`` whose
-    message starts with ``CUDA error``)."""
+    error, an accelerator error (``torch.AcceleratorError``, torch 2.8+; before it, a ``RuntimeError`` whose
+    message starts with ``CUDA error``), or a saved tensor modified in place (:class:`ModifiedInPlace`)."""
     import torch
 
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, ModifiedInPlace)):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):

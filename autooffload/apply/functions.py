@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from ..guard import StepFaults, in_step, nothing
 from .engines import OffloadEngine
 from .forward import ForwardState, LayerCalls
-from .offload import OffloadStats
+from .offload import OffloadStats, kept_hooks
 
 COUNT = in_step("a layer call's count")
 SETUP = in_step("an offloading layer call's setup")
@@ -50,10 +50,6 @@ def plain_function(
 def _packing(stats: OffloadStats, position: int) -> None:
     """The engine's hooks run for layer ``position`` next: an input it cannot move is that layer's."""
     stats.layer = position
-
-
-def _kept(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def eager_frame(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,11 +84,11 @@ def offload_function(
         call = counted(args)
         inputs = forward.claim(call.moving)
         if not inputs and not call.deferred:
-            return _kept_hooks()
+            return kept_hooks()
         _packing(stats, position)
         return engine.hooks(last, inputs, call.deferred)
 
-    hooks = torch.compiler.disable((faults or StepFaults()).shield(SETUP, setup, lambda args: _kept_hooks()))
+    hooks = torch.compiler.disable((faults or StepFaults()).shield(SETUP, setup, lambda args: kept_hooks()))
 
     # Under saved-tensor hooks even when nothing of the call moves (its input moved already, it passes none
     # positionally, or it is an outer checkpoint's recompute): that recompute runs this call again, where what
@@ -104,7 +100,3 @@ def offload_function(
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload
-
-
-def _kept_hooks() -> torch.autograd.graph.saved_tensors_hooks:
-    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..guard import StepFaults, in_step, nothing
+from ..guard import ModifiedInPlace, StepFaults, in_step, nothing
 from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
 
@@ -91,19 +91,54 @@ class _Loan:
         self.faults.shield(RETURN, self.host.give, nothing)(self.buffer)
 
 
+class SavedVersion:
+    """What autograd checks of a saved tensor and saved-tensor hooks skip: its version when it was saved. The
+    backward raises (:class:`~autooffload.guard.ModifiedInPlace`) where the tensor was modified in place since, as
+    it does without hooks; held weakly (a tensor moved to host memory must be free to go), so one modified and then
+    let go of before the backward passes unseen."""
+
+    __slots__ = ("shape", "source", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.source, self.version, self.shape = weakref.ref(tensor), tensor._version, tuple(tensor.shape)
+
+    def check(self) -> None:
+        tensor = self.source()
+        if tensor is not None and tensor._version != self.version:
+            raise ModifiedInPlace(self.shape, tensor._version, self.version)
+
+
+def _held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return tensor, tensor._version
+
+
+def _released(held: tuple[torch.Tensor, int]) -> torch.Tensor:
+    tensor, version = held
+    if tensor._version != version:
+        raise ModifiedInPlace(tensor.shape, tensor._version, version)
+    return tensor
+
+
+def kept_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep every tensor as it is, and check its version as autograd would."""
+    return torch.autograd.graph.saved_tensors_hooks(_held, _released)
+
+
 class _Saved:
-    """A packed tensor: on the device (``loan`` None) or in a host buffer. A deferred one may move later, when the
-    forward ends (:meth:`SyncEngine.settle`), so it is mutable."""
+    """A packed tensor: on the device (``loan`` None) or in a host buffer, and the version it was saved at (checked
+    when it is unpacked). A deferred one may move later, when the forward ends (:meth:`SyncEngine.settle`), so it is
+    mutable."""
 
-    __slots__ = ("__weakref__", "device", "loan", "tensor")
+    __slots__ = ("__weakref__", "device", "loan", "saved", "tensor")
 
-    def __init__(self, device: torch.device, tensor: torch.Tensor, loan: _Loan | None = None) -> None:
-        self.device, self.tensor, self.loan = device, tensor, loan
+    def __init__(self, tensor: torch.Tensor, stored: torch.Tensor | None = None, loan: _Loan | None = None) -> None:
+        self.device, self.saved = tensor.device, SavedVersion(tensor)
+        self.tensor, self.loan = (tensor if stored is None else stored), loan
 
     @staticmethod
     def kept(tensor: torch.Tensor) -> _Saved:
         """``tensor`` kept where it is, as plain checkpointing keeps it (a pack hook's fallback)."""
-        return _Saved(tensor.device, tensor)
+        return _Saved(tensor)
 
     def restored(self) -> torch.Tensor:
         """The tensor back on its device by the plainest way (an unpack hook's fallback): a copy of a host one."""
@@ -117,21 +152,21 @@ def _to_host(tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
         stats.add(nbytes)
-        return _Saved(tensor.device, tensor)
+        return _Saved(tensor)
     if tensor.is_sparse or not tensor.is_contiguous():
         stats.add(nbytes)
-        return _Saved(tensor.device, tensor.to("cpu", copy=True))
+        return _Saved(tensor, tensor.to("cpu", copy=True))
     buffer = host.take(nbytes, tensor.device)
     if buffer is None:
         stats.short(nbytes)
-        return _Saved(tensor.device, tensor)
+        return _Saved(tensor)
     stats.add(nbytes)
     view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
     # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the source's
     # block only for work queued after it on that same stream, so freeing it is safe. The buffer is written
     # again only by a later pack, queued on that stream after this unpack's copy.
     view.copy_(tensor, non_blocking=buffer.pinned)
-    return _Saved(tensor.device, view, _Loan(host, buffer, faults))
+    return _Saved(tensor, view, _Loan(host, buffer, faults))
 
 
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -162,13 +197,14 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         def pack(tensor: torch.Tensor) -> _Saved:
             key = storage_key(tensor)
             if filtered and key not in only:
-                saved = _Saved(tensor.device, tensor)
+                saved = _Saved(tensor)
                 if key in later and defer is not None:
                     defer(key, saved)
                 return saved
             return _to_host(tensor, stats, host, faults)
 
         def unpack(saved: _Saved) -> torch.Tensor:
+            saved.saved.check()
             if saved.loan is None:
                 tensor = saved.tensor
                 return tensor if tensor.device == saved.device else tensor.to(saved.device)

@@ -64,7 +64,7 @@ import torch
 from ..guard import StepFaults, in_step, nothing
 from ..observe.saved import storage_key
 from .host_memory import cuda_drain
-from .offload import LayerInput, OffloadStats, storage_keys
+from .offload import LayerInput, OffloadStats, SavedVersion, storage_keys
 from .streams import HostPool, Streams
 
 MIN_BYTES = 1024
@@ -147,16 +147,20 @@ class _HostCopy:
 
 
 class _Packed:
-    __slots__ = ("__weakref__", "copy", "layout", "region", "tensor")
+    """A saved tensor: on the device (``tensor``) or in a host copy (``copy``, its ``layout`` there), and the version
+    of ``source`` it was saved at (checked when it is unpacked)."""
+
+    __slots__ = ("__weakref__", "copy", "layout", "region", "saved", "tensor")
 
     def __init__(
         self,
         region: _Region,
-        tensor: torch.Tensor | None = None,
+        source: torch.Tensor,
         copy: _HostCopy | None = None,
         layout: tuple | None = None,
     ) -> None:
-        self.region, self.tensor, self.copy, self.layout = region, tensor, copy, layout
+        self.region, self.saved, self.copy, self.layout = region, SavedVersion(source), copy, layout
+        self.tensor = source if copy is None else None
 
     def restored(self) -> torch.Tensor:
         """The saved tensor by the plainest way (an unpack hook's fallback)."""
@@ -181,14 +185,14 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
         def pack(tensor: torch.Tensor) -> _Packed:
             key = storage_key(tensor)
             if filtered and key not in only:
-                packed = _Packed(region, tensor=tensor)
+                packed = _Packed(region, tensor)
                 if key in later:
                     engine.pending.append((key, weakref.ref(packed), engine.stats.layer))
                 return packed
             return engine._pack(tensor, region, keep)
 
         def kept(tensor: torch.Tensor) -> _Packed:
-            return _Packed(region, tensor=tensor)
+            return _Packed(region, tensor)
 
         faults = engine.faults
         super().__init__(faults.shield(PACK, pack, kept), faults.shield(UNPACK, engine._unpack, _Packed.restored))
@@ -324,8 +328,8 @@ class StreamEngine:
     def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:
         moved = None if keep else self._move(tensor, region)
         if moved is None:
-            return _Packed(region, tensor=tensor)
-        return _Packed(region, copy=moved[0], layout=moved[1])
+            return _Packed(region, tensor)
+        return _Packed(region, tensor, moved[0], moved[1])
 
     def _move(self, tensor: torch.Tensor, region: _Region) -> tuple[_HostCopy, tuple] | None:
         """``tensor``'s host copy in ``region`` (started now unless a save of its storage started it) and its layout
@@ -361,6 +365,7 @@ class StreamEngine:
         return _HostCopy(self, lease, nbytes, device)
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
+        packed.saved.check()
         region = packed.region
         first = not region.unpacked
         if first:
