@@ -24,6 +24,7 @@ micro-batch and the other a short one (``LENGTHS``), so only an agreement makes 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -642,6 +643,39 @@ def give_up_in_forward(rank: int, out: Path) -> dict:
     return {f"{name}_{inject}": in_forward_run(rank, out, name, inject) for name, inject in runs}
 
 
+def uneven_run(rank: int, join: bool) -> dict:
+    """A raw loop where rank 0 runs 3 micro-batches and rank 1 runs 2 (an uneven dataset); with ``join``, under DDP
+    and its ``join()``, which lets DDP train on uneven inputs, else on the bare model. Then ``finish()``."""
+    import warnings
+
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autooffload import AutoOffloadWarning
+
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    controller = OffloadController(Settings(), probe=None, policy=RecordingPolicy())
+    steps = 3 if rank == 0 else 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        controller.attach(model)
+        wrapped = DistributedDataParallel(model) if join else model
+        with Join([wrapped]) if join else contextlib.nullcontext():
+            for step in range(steps):
+                ids = batch(step, rank)
+                wrapped(input_ids=ids, labels=ids).loss.backward()
+                controller.end_step()
+        controller.finish()
+    return {"steps": steps, "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]}
+
+
+def uneven_micro_batches(rank: int, out: Path) -> dict:
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    return {"join": uneven_run(rank, join=True), "bare": uneven_run(rank, join=False)}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -652,6 +686,7 @@ def main() -> None:
         "uneven": uneven,
         "give_up": give_up,
         "give_up_in_forward": give_up_in_forward,
+        "uneven_micro_batches": uneven_micro_batches,
         "zero2": lambda rank, out: deepspeed_zero(2, out),
         "zero3": lambda rank, out: deepspeed_zero(3, out),
     }
