@@ -285,8 +285,7 @@ class HostMemory:
 
     def _lend(self, buffer: HostBuffer) -> HostBuffer:
         self._free[buffer.device].remove(buffer)
-        buffer.last_step = self.step
-        self.lent_bytes += buffer.nbytes
+        buffer.last_step, self.lent_bytes = self.step, self.lent_bytes + buffer.nbytes
         return buffer
 
     def set_budget(self, setting: str) -> None:
@@ -302,12 +301,14 @@ class HostMemory:
             f"{setting} over {ranks_per_node()} rank(s) of the node, set by {self.budget_source})"
         )
 
-    def give(self, buffer: HostBuffer) -> None:
-        """Return a buffer; only later copies on its device's stream may touch it (the caller's rule)."""
+    def give(self, buffer: HostBuffer, drop: bool = False) -> None:
+        """Return a buffer; only later copies on its device's stream may touch it (the caller's rule). ``drop``:
+        release it at once (a return that failed: the buffer is not lost to the budget)."""
         with self._lock:
-            buffer.last_step = self.step
-            self.lent_bytes -= buffer.nbytes
+            buffer.last_step, self.lent_bytes = self.step, self.lent_bytes - buffer.nbytes
             self._free.setdefault(buffer.device, []).append(buffer)
+            if drop:
+                self._release([buffer], None)
 
     def end_step(self) -> None:
         """An optimizer step ended: release the free buffers unused for ``release_after`` steps and, where the host

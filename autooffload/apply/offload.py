@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..guard import ModifiedInPlace, StepFaults, in_step, nothing
+from ..guard import ModifiedInPlace, StepFaults, in_step
 from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
 
@@ -88,7 +88,7 @@ class _Loan:
         self.host, self.buffer, self.faults = host, buffer, faults
 
     def __del__(self) -> None:
-        self.faults.shield(RETURN, self.host.give, nothing)(self.buffer)
+        self.faults.shield(RETURN, self.host.give, lambda buffer: self.host.give(buffer, drop=True))(self.buffer)
 
 
 class SavedVersion:

@@ -137,13 +137,17 @@ class _HostCopy:
         return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
 
     def __del__(self) -> None:
-        self.engine.faults.shield(COPY_END, self._end, nothing)()
+        self.engine.faults.shield(COPY_END, self._end, self._dropped)()
 
     def _end(self) -> None:
         if self.pending is not None:
             _target, ready, compute = self.pending
             self.engine.streams.wait(compute, ready)
         self.engine.pool.give(self.buffer, self.key)
+
+    def _dropped(self) -> None:
+        """The end failed: the buffer is released at once (its device drained first), not lost to the budget."""
+        self.engine.pool.give(self.buffer, self.key, drop=True)
 
 
 class _Packed:
