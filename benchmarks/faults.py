@@ -1,33 +1,40 @@
-"""The fault matrix: a failure at every guarded entry point, and the other faults a training job meets.
+"""The fault matrix: a failure at every guarded entry point and every place inside a step, in every window of a
+training step, and the other faults a training job meets.
 
-    python benchmarks/faults.py --out DIR              # the whole matrix (tens of minutes on two CPU cores)
+    python benchmarks/faults.py --out DIR              # the whole matrix (about an hour on two CPU cores)
     python benchmarks/faults.py --out DIR --quick      # a slice of it (what tests/test_faults.py runs)
 
-Each cell trains a tiny random Qwen3 through the real Trainer (4 layers, hidden 64, gradient accumulation 2,
+Each cell trains a tiny random model through the real Trainer (4 layers, hidden 64, gradient accumulation 2,
 6 optimizer steps of mixed lengths, an evaluation and a checkpoint save every 3 steps) with
 ``autooffload.attach(trainer)``, mode ``auto`` and a :class:`~autooffload.SimulatedDevice` small enough that the
 long micro-batches offload and (``recompute="auto"``) the short ones keep; then injects one fault. Axes:
 
 - **topology**: one process; two ranks under DDP over gloo (``torchrun``); two ranks under DeepSpeed ZeRO-3
   through Trainer (the entry points it reaches: no rescue there);
-- **engine** ``sync``/``stream``, **policy** ``predictive``/``hysteresis``, **recompute** ``always``/``auto``;
-- **faults**: an exception at every guarded entry point, enumerated from ``autooffload.guard.ENTRY_POINTS`` (a
-  new entry point is covered without editing this file), raised before the entry's body runs (and, for one
-  configuration per topology, after it ran), at the middle call of those the fault-free run made (the first, for
-  entries called once), on rank 1 of two; a probe that raises an NVML error, or that returns ``None``, a
-  fraction above 1 or NaN, or whose ``reset()`` raises; host buffers that cannot be allocated or pinned, and host
-  memory running out mid-step; a process killed with SIGKILL between two steps, then resumed from the last
-  Trainer checkpoint. An entry point reached only in a resumed run (a load) runs resumed from the fault-free
-  run's checkpoint; one reached only by an out-of-memory step (the rescue) runs with one injected.
+- **model**: a Qwen3; a T5 (encoder-decoder); a Qwen3 whose loss comes from ``model.model(...)`` (TRL's fused
+  loss: the top model's forward never runs, or runs without tokens through a wrapper, the call redirected);
+- **engine** ``sync``/``stream``, **policy** ``predictive``/``hysteresis``, **recompute** ``always``/``auto``
+  (every combination on one process, for the Qwen3);
+- **faults**: an exception at every guarded entry point (``autooffload.guard.ENTRY_POINTS``) and every place of
+  autooffload's code inside a step (``autooffload.guard.IN_STEP``), enumerated from the registries (a new one is
+  covered without editing this file), once in each **window** of the run the fault-free run called it in
+  (:class:`Moment`: the run's first micro-batch, a non-last and the last micro-batch of an accumulation, each's
+  forward and backward, an evaluation, outside a micro-batch), raised before the entry's body (and after it: after
+  the pre-forward hook's body is after the agreement), on rank 1, rank 0 or both (:func:`plans` says which
+  configuration gets which); a probe that raises an NVML error, or that returns ``None``, a fraction above 1 or
+  NaN, or whose ``reset()`` raises; host buffers that cannot be allocated or pinned, and host memory running out
+  mid-step; a process killed with SIGKILL between two steps, then resumed from the last Trainer checkpoint. An
+  entry point reached only in a resumed run (a load) runs resumed from the fault-free run's checkpoint; one reached
+  only by an out-of-memory step (the rescue) runs with one injected.
 
 Per cell: **survived** (every rank finished every step, no hang, no crash), **identical** (per micro-batch losses
 and final parameters bit-identical, fp32 on the CPU, to the same configuration's fault-free run, itself equal to
-plain checkpointing), **warned** (the failing rank warned once, naming the entry point and the cause; the other
-rank once, naming the rank that gave up), **detached** (no hook, owner or host buffer of autooffload left on the
-model, its checkpoint functions plain), **same collectives** (the ranks made the same sequence of Python-level
-collectives, and autooffload no more than without the fault), and for the kill, **resumed exactly** (the resumed
-run's losses and parameters those of the uninterrupted run). It writes ``faults.json`` (every cell) and
-``faults.md`` (the table) under ``--out``.
+plain checkpointing), **warned** (the failing rank warned once, naming the entry point or place and the cause; the
+other rank once, naming the rank that gave up), **detached** (no hook, owner or host buffer of autooffload left on
+the model, its checkpoint functions plain), **same collectives** (the ranks made the same sequence of Python-level
+collectives, and autooffload no more than without the fault), **raised** (the fault struck once, in the window
+planned), and for the kill, **resumed exactly** (the resumed run's losses and parameters those of the
+uninterrupted run). It writes ``faults.json`` (every cell) and ``faults.md`` (the tables) under ``--out``.
 """
 
 from __future__ import annotations
