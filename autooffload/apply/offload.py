@@ -100,22 +100,40 @@ class SavedVersion:
     __slots__ = ("shape", "source", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.source, self.version, self.shape = weakref.ref(tensor), tensor._version, tuple(tensor.shape)
+        self.shape, self.version = tuple(tensor.shape), _version(tensor)
+        self.source: Callable[[], torch.Tensor | None]
+        try:
+            self.source = weakref.ref(tensor)
+        except TypeError:  # a tensor kind without weak references: not checked
+            self.source = lambda: None
 
     def check(self) -> None:
         tensor = self.source()
-        if tensor is not None and tensor._version != self.version:
-            raise ModifiedInPlace(self.shape, tensor._version, self.version)
+        if tensor is not None:
+            _check(tensor, self.version, self.shape)
 
 
-def _held(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    return tensor, tensor._version
+def _check(tensor: torch.Tensor, version: int | None, shape: tuple) -> None:
+    now = _version(tensor)
+    if version is not None and now is not None and now != version:
+        raise ModifiedInPlace(shape, now, version)
 
 
-def _released(held: tuple[torch.Tensor, int]) -> torch.Tensor:
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (None where it has none: an inference tensor, some subclasses)."""
+    try:
+        return tensor._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _held(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    return tensor, _version(tensor)
+
+
+def _released(held: tuple[torch.Tensor, int | None]) -> torch.Tensor:
     tensor, version = held
-    if tensor._version != version:
-        raise ModifiedInPlace(tensor.shape, tensor._version, version)
+    _check(tensor, version, tuple(tensor.shape))
     return tensor
 
 
