@@ -811,7 +811,12 @@ def cells(
             if run is None:
                 continue
             reached = True
-            for window, at in moments(calls[run][failing[0]][where], plan.windows):
+            # The ranks may call it differently often (rank 0 alone saves the callback's state): the calls of the
+            # failing rank with the fewest choose, and a call in another window on another failing rank is left out.
+            seen = [calls[run][r][where] for r in failing]
+            for window, at in moments(min(seen, key=len), plan.windows):
+                if any(w[at - 1] != window for w in seen):
+                    continue
                 for timing in ("before", "after") if kind == "entry" and subset == "last" else ("before",):
                     if timing == "after" and not (plan.after is True or (plan.after and where in plan.after)):
                         continue
