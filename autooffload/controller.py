@@ -73,11 +73,11 @@ class OffloadController(Run):
         self.detach()
         lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing
-        layout = self._read(model)
+        layout = self.layout = self._read(model)  # from here on, a notice knows where micro-batches enter
         self.agreement.join(bool(layout.targets), self.warn)
         if not layout.targets:
             lifecycle.let_go(model, self)
-            self._model = None
+            self._model, self.layout = None, None
             if not layout.unknown:  # otherwise checkpointing is on, and a warning named the function it runs
                 self.warn("no-targets", f"no checkpointed layers found, so autooffload does nothing: {ENABLE_HINT}")
             return False
@@ -87,13 +87,15 @@ class OffloadController(Run):
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
             on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames, foreign=layout.unknown,
+            faults=self.faults,
         )  # fmt: skip
         self._adopt(layout, frames is not None)
         recompute, layers = self.settings.recompute, len(layout.layers)
         self.adopt_identity(lifecycle.model_identity(model, layers=layers, hidden=layout.hidden, recompute=recompute))
         self.memory.attach(model, layout.devices, optimizer, self.settings)
         backwards = self.planner.backward if recompute == "auto" else None
-        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.entered, self._leave)
+        self.hooks = ForwardHooks(model, layout.entries, self._enter, backwards, self.agreement.deciding, self._leave,
+                                  self.faults)  # fmt: skip
         fixed = self.planner.fixed_level(self.memory.rescuing)
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
@@ -119,8 +121,8 @@ class OffloadController(Run):
     def give_up(self, where: str, error: BaseException) -> None:
         """An entry point raised (:mod:`autooffload.guard`): one warning, then plain checkpointing until the run ends,
         on every rank (the hooks removed, plain functions installed; :mod:`autooffload.fallback`)."""
-        self.failed, model = True, self._model
-        self.fallback.give_up(where, error, model, [entry for entry, _ in self.layout.entries] if self.layout else [])
+        self.failed, model, hooks, self.hooks = True, self._model, self.hooks, None  # the fallback takes the hooks
+        self.fallback.give_up(where, error, model, hooks, self.layout)
         try:
             self.detach()
         except Exception:  # the switch itself is broken: forget it, the functions are replaced below
@@ -224,8 +226,7 @@ class OffloadController(Run):
         self.record.installed(self.switch.offloaded, self.switch.kept, len(self.switch.layers))
 
     def _rebuild_if_replaced(self) -> None:
-        """Rebuild the switch where the model's checkpoint functions changed hands (a trainer's disable and enable
-        around its reference forward: :meth:`~autooffload.apply.switch.CheckpointSwitch.unchanged`)."""
+        """Rebuild the switch where the model's checkpoint functions changed hands (a trainer's disable and enable)."""
         assert self.switch is not None and self._model is not None
         if self.switch.unchanged():
             return

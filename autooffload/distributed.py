@@ -4,8 +4,9 @@ Ranks see different micro-batches (one long, one short) and each reads its own d
 rank with the short micro-batch keeps its saved inputs on the device while its neighbour offloads: under
 FSDP or ZeRO-3 the step is as slow as the slowest rank anyway, and under torch.compile the ranks would run
 different graphs and recompile at different steps. So before every training micro-batch's forward the ranks
-agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of four integers (the level; negated
-so that MAX gives their minimum, the host-memory cap and the keep count; and a rank that gave up, see below).
+agree on the largest level any of them asked for, with one ``all_reduce(MAX)`` of seven integers (the level; negated
+so that MAX gives their minimum, the host-memory cap and the keep count; a rank that gave up, and what the end's
+collective says, see below).
 
 What a policy sees: ``decide`` gets this rank's own observation (its sequence length, its memory reading).
 When the group's level differs from what it decided, the planner (:mod:`autooffload.decide.planner`) tells it
@@ -26,7 +27,11 @@ both with ``benchmarks/rank_agreement.py``).
 Every rank must make the same calls: autooffload makes one per training-mode forward under grad of the
 attached model, and none in ``mode="on"``/``"off"`` (the level is fixed by the settings, alike on every rank).
 Data-parallel training (DDP, FSDP, ZeRO) runs the same forwards on every rank; ranks that run different models
-(pipeline stages) or different numbers of micro-batches must turn it off: ``AUTOOFFLOAD_SYNC_RANKS=0``.
+(pipeline stages) must turn it off: ``AUTOOFFLOAD_SYNC_RANKS=0``. Ranks that run different numbers of micro-batches
+fail safe, with one warning (``uneven-micro-batches``): under DDP's ``join()`` (uneven inputs), which shadows only
+the collectives it knows of, no rank agrees from the first micro-batch under it (every rank sees it there); outside
+it, the end's collective is of the same size as an agreement (the worst peak rides in it, not in a gather of its
+own), so a rank that ended meets the others' next agreement, and they learn it there: no rank makes another.
 
 A rank that gives up (:mod:`autooffload.guard`) cannot simply stop making these collectives: the others would
 meet their next one (DDP's gradient all-reduce: gloo aborts both) or wait in it (NCCL, with the agreement on a
@@ -38,6 +43,7 @@ rank makes another until the run ends. Without a failure the collectives are the
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -122,7 +128,52 @@ class RankGaveUp(Exception):
         self.rank = rank
 
 
-GAVE_UP = -2.0  # what a rank that gave up sends in the end's gather of peak memory fractions (no reading: -1)
+# One collective's integers, the same at every point of a run after the join (a micro-batch's agreement, a give-up's
+# notice, the end), so that ranks out of step (one at its end, another still in a micro-batch) meet in a collective
+# of the same size and learn it, instead of aborting: the level, the host cap and the keep count (negated where the
+# group needs the minimum), a rank that gave up (its rank + 1), whether a rank is at its end and whether every rank
+# is (negated), and the worst peak memory fraction with its rank (:func:`peak_code`).
+LEVEL, CAP, KEEP, QUITTER, ENDED, ALL_ENDED, PEAK = range(7)
+PEAK_SCALE = 10**6  # a peak fraction's resolution in the end's collective
+
+
+def message(level: int = 0, cap: int = 0, keep: int = 0, quitter: int = 0, ended: bool = False, peak: int = 0) -> list:
+    """The integers this rank sends (see :data:`LEVEL`): ``quitter`` its rank + 1 where it gave up."""
+    return [level, -cap, -keep, quitter, int(ended), -int(ended), peak]
+
+
+def peak_code(fraction: float | None, rank: int, world: int) -> int:
+    """``fraction`` and ``rank`` as one integer whose maximum over the ranks is the worst peak (the lowest rank on a
+    tie); 0: no reading."""
+    if fraction is None or fraction < 0 or fraction != fraction:
+        return 0
+    return round(fraction * PEAK_SCALE) * world + (world - 1 - rank) + 1
+
+
+def worst_of(code: int, world: int) -> RankPeak | None:
+    """The worst rank's peak from the maximum of :func:`peak_code` over the ranks; None where no rank had one."""
+    if code <= 0:
+        return None
+    fraction, place = divmod(code - 1, world)
+    return RankPeak(fraction / PEAK_SCALE, world - 1 - place, world)
+
+
+def under_join() -> bool:
+    """Whether this call runs inside a module run under a ``join()`` context (DDP's uneven-inputs support): ranks
+    may then run different numbers of micro-batches, and ``join()`` shadows the collectives it knows of only."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = getattr(frame.f_locals.get("self"), "_join_config", None)
+        if getattr(config, "enable", False) is True:
+            return True
+        frame = frame.f_back
+    return False
+
+
+UNEVEN = (
+    "the ranks run different numbers of micro-batches ({}), so autooffload stops agreeing on one level: each rank "
+    "decides alone from here on (set AUTOOFFLOAD_SYNC_RANKS=0 for such runs)"
+)
 
 
 class RankAgreement:
@@ -145,7 +196,7 @@ class RankAgreement:
     def end_run(self) -> None:
         """A run ended (or a new one starts): the next collective is the next run's join."""
         self.joined = False  # this run's join was made
-        self.due = False  # a training micro-batch entered the model and its agreement is not made yet
+        self.due = False  # a training micro-batch is being decided and its agreement is not made yet
         self.gave_up: int | None = None  # the rank that gave up, once every rank knows: no collective after
         self.owing = False  # this rank gave up and the others do not know yet
 
@@ -158,10 +209,28 @@ class RankAgreement:
         live = self.joined and self.ranks_agree and self.gave_up is None and self.settings.mode == "auto"
         return live and self.active()
 
-    def entered(self) -> None:
-        """A training micro-batch under grad entered the model (the forward hooks say so before anything of the
-        controller runs): its agreement is due until :meth:`agree` makes it."""
-        self.due = self.per_micro_batch()
+    def deciding(self, on: bool) -> None:
+        """A training micro-batch under grad is being decided (the forward hooks say so around the call that decides,
+        :class:`~autooffload.apply.hooks.ForwardHooks`): its agreement is due from then until :meth:`agree` makes it,
+        or the call is passed by to an entry inside it, or the decision is over (``on`` False) without it. Under
+        DDP's ``join()`` (uneven inputs) no rank agrees any more: every rank sees it at the same micro-batch."""
+        if on and self.per_micro_batch() and under_join():
+            self.out_of_step("DDP's join()")
+        self.due = on and self.per_micro_batch()
+
+    def out_of_step(self, why: str) -> None:
+        """The ranks run different numbers of micro-batches: no collective of autooffload's from here to the run's
+        end (one warning), and nothing owed (the ranks that ended make none)."""
+        self.ranks_agree, self.due, self.owing = False, False, False
+        self.warn("uneven-micro-batches", UNEVEN.format(why))
+
+    def _exchange(self, values: list[int]) -> list[int] | None:
+        """One collective of :func:`message`'s integers; None where a rank was at its end and this one was not."""
+        result = all_reduce_max(values, self.group)
+        if result[ENDED] and not values[ENDED]:
+            self.out_of_step("a rank ended its run while this one has micro-batches left")
+            return None
+        return result
 
     def join(self, ready: bool, warn: Callable[[str, str], Any] | None = None, *, gave_up: bool = False) -> None:
         """Every rank attaches at the same point, with layers to control or not: make the side group there
@@ -194,18 +263,21 @@ class RankAgreement:
         if not self.per_micro_batch():
             return level, keep
         self.due = False  # made (or tried): a failure after this point owes the next one
-        most, least_cap, fewest_kept, quitter = all_reduce_max([level, -cap, -keep, 0], self.group)
-        if quitter:
-            self.gave_up = quitter - 1
-            raise RankGaveUp(quitter - 1)
-        return min(most, -least_cap), -fewest_kept
+        result = self._exchange(message(level, cap, keep))
+        if result is None:
+            return level, keep
+        if result[QUITTER]:
+            self.gave_up = result[QUITTER] - 1
+            raise RankGaveUp(result[QUITTER] - 1)
+        return min(result[LEVEL], -result[CAP]), -result[KEEP]
 
     def tell(self) -> None:
         """This rank gave up inside a micro-batch whose agreement is due, or at the next one's start: make that
         collective now with the flag (and nothing else, since this rank's parts may be broken)."""
         self.due, self.owing = False, False
-        rank = torch.distributed.get_rank()
-        self.gave_up = all_reduce_max([0, 0, 0, rank + 1], self.group)[3] - 1
+        result = self._exchange(message(quitter=torch.distributed.get_rank() + 1))
+        if result is not None:
+            self.gave_up = result[QUITTER] - 1
 
     def worst(self, fraction: float | None) -> RankPeak | None:
         """The worst rank's peak memory fraction (the end's collective, on every rank), where the ranks agree at all
@@ -213,19 +285,27 @@ class RankAgreement:
         try:
             if not self.joined or not self.ranks_agree or self.gave_up is not None or not self.active():
                 return None
-            peaks = gather_peaks(GAVE_UP if self.owing else fraction, self.group)
+            rank, world = torch.distributed.get_rank(), world_size()
+            quitter = rank + 1 if self.owing else 0
+            result = all_reduce_max(
+                message(quitter=quitter, ended=True, peak=peak_code(fraction, rank, world)), self.group
+            )
         finally:
             owing = self.owing
             self.end_run()
-        quitters = [rank for rank, value in enumerate(peaks) if value == GAVE_UP]
-        if quitters and not owing:
+        if not result[ALL_ENDED]:  # another rank was still in a micro-batch: it learned that this one ended
+            self.warn(
+                "uneven-micro-batches", UNEVEN.format("this rank ended its run while another had micro-batches left")
+            )
+            return None
+        if result[QUITTER] and not owing:
             self.warn(
                 "rank-gave-up",
-                f"rank {quitters[-1]} gave up during training (its own warning says why); this rank learned it at "
-                "the end (no agreement per micro-batch in modes on and off, or no micro-batch after the failure) "
+                f"rank {result[QUITTER] - 1} gave up during training (its own warning says why); this rank learned it "
+                "at the end (no agreement per micro-batch in modes on and off, or no micro-batch after the failure) "
                 "and finished with autooffload",
             )
-        return worst_of(peaks)
+        return worst_of(result[PEAK], world)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,19 +315,3 @@ class RankPeak:
     fraction: float
     rank: int
     world_size: int
-
-
-def gather_peaks(fraction: float | None, group: AgreementGroup | None = None) -> list[float]:
-    """Every rank's peak memory fraction (-1: none), by rank (a collective)."""
-    device = collective_device() if group is None else group.device
-    mine = torch.tensor([-1.0 if fraction is None else fraction], dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size())]
-    torch.distributed.all_gather(gathered, mine, group=None if group is None else group.group)
-    return [float(value.item()) for value in gathered]
-
-
-def worst_of(peaks: list[float]) -> RankPeak | None:
-    """The worst of the ranks' peaks; None where no rank had a reading."""
-    readings = [value if value >= 0 else -1.0 for value in peaks]
-    rank = max(range(len(readings)), key=readings.__getitem__)
-    return None if readings[rank] < 0 else RankPeak(readings[rank], rank, len(readings))

@@ -5,17 +5,21 @@ plain checkpointing (:meth:`~autooffload.controller.OffloadController.give_up`).
 Under torch.distributed the other ranks make the agreement's collectives (:mod:`autooffload.distributed`) at
 fixed points of the run: the join at attach, one agreement per training micro-batch (mode ``auto``), the gather
 at the end. A rank that stopped making them would leave the others in a collective it never joins: a mismatch
-with DDP's next all-reduce (gloo aborts every process) or a wait until the timeout (NCCL). So the rank that
-failed makes the one collective it owes, with the flag "this rank gave up", and every rank learns it there:
+with DDP's next all-reduce (gloo aborts every process), a wait until the timeout (NCCL), or, under ZeRO-3, a
+parameter all-gather met. So the rank that failed makes the one collective it owes, with the flag "this rank gave
+up", exactly where the others make theirs, and every rank learns it there:
 
 - failed inside ``attach`` or ``on_train_begin`` before this run's join: the join, at once; every rank gives up
   at attach. Failed before a run began (a load): the join, at the next ``attach``, which a rank that gave up
   still makes (it attaches nothing);
-- failed in a training micro-batch's forward before its agreement (the pre-forward hook): that agreement, at
-  once; every rank runs that micro-batch and the rest on plain checkpointing;
-- failed anywhere else during the run (a layer's report in the forward or the backward, ``end_step``, a save,
-  a Trainer event): the next training micro-batch's agreement, made by a :class:`RankNotice`, a pre-forward hook
-  that depends on nothing but the agreement's group; every rank is on plain checkpointing from that
+- failed anywhere during the run (the pre-forward hook, a layer's report in the forward or the backward, code of
+  autooffload's inside a step, ``end_step``, a save, a Trainer event): the agreement of the training micro-batch
+  being decided, or else of the next one, made by a :class:`RankNotice`. The notice takes over the controller's
+  forward hooks (:meth:`~autooffload.apply.hooks.ForwardHooks.hand_over`), so it stands where the others decide:
+  the call that enters the model or an entry inside no other watched call (the top model, TRL's ``model.model``,
+  the backbone a redirected call passes the tokens to), in train mode under grad, once a forward running at the
+  failure ended; never at an inner entry of that forward (an encoder-decoder's decoder, ``Qwen3Model`` under its
+  causal LM) whose agreement was made before the failure. Every rank is on plain checkpointing from that
   micro-batch on (this one since it failed: placement only, results are the same);
 - failed at the end (``finish``, ``on_train_end``), or no micro-batch came after the failure: the end's gather,
   where the others warn that it gave up.
@@ -23,7 +27,9 @@ failed makes the one collective it owes, with the flag "this rank gave up", and 
 In modes ``on`` and ``off`` there is no agreement per micro-batch: the failed rank goes plain at once and the
 others hear of it at the end. With ``AUTOOFFLOAD_SYNC_RANKS=0``, or a rank without layers, no collective is
 made at all and giving up is local. From the collective that told every rank until the run ends, no rank makes
-another: no mismatch, no hang, and nothing extra while nothing fails.
+another: no mismatch, no hang, and nothing extra while nothing fails. A trainer that reinstalls checkpointing
+between the failure and the next micro-batch may make the others watch other entries; the notice watches those
+the controller watched when it gave up.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ from typing import Any
 import torch
 
 from .apply.functions import install_plain
+from .apply.hooks import ForwardHooks
 from .distributed import RankAgreement, RankGaveUp
+from .observe.inputs import read_micro_batch
+from .observe.layout import ModelLayout
+from .observe.stacks import Stack
 
 # The entry points that run before a run's join: a rank that fails in one of them joins the others at once.
 BEFORE_JOIN = ("attach", "on_train_begin", "Lightning on_train_start")
@@ -44,26 +54,52 @@ AT_END = ("finish", "on_train_end", "Lightning on_train_end")
 
 
 class RankNotice:
-    """The least a rank that gave up needs to be at the next training micro-batch: a pre-forward hook on each of
-    ``modules`` (the model and its entries) that, at the first call in train mode under grad, removes itself and
-    calls ``tell`` (the collective the other ranks make there)."""
+    """What stands, on a rank that gave up, where the ranks make a micro-batch's agreement: the controller's forward
+    hooks, handed over (or, given up before it had any, hooks of its own on ``model`` and its ``entries``). At the
+    first call whose agreement is due (being decided: :meth:`RankAgreement.deciding`), unless it carries no tokens
+    and an entry inside it will (then that entry decides, as on the other ranks), it removes the hooks and makes
+    the collective the other ranks make there (:meth:`RankAgreement.tell`). ``stacks``: the planned stacks, which
+    the model's own call is read with."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module], tell: Callable[[], None]) -> None:
-        self._tell = tell
-        self._handles = [module.register_forward_pre_hook(self._before) for module in modules]
+    def __init__(
+        self,
+        agreement: RankAgreement,
+        hooks: ForwardHooks | None,
+        stacks: Sequence[Stack],
+        model: torch.nn.Module,
+        entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]],
+    ) -> None:
+        self.agreement, self.stacks = agreement, list(stacks)
+        if hooks is None:
+            hooks = ForwardHooks(model, entries, self._enter, deciding=agreement.deciding)
+        else:
+            hooks.hand_over(self._enter)
+        self.hooks: ForwardHooks | None = hooks
 
     @torch.compiler.disable
-    def _before(self, module: torch.nn.Module, args: tuple) -> None:
-        if not self._handles or not module.training or not torch.is_grad_enabled():
-            return
+    def _enter(
+        self, module: torch.nn.Module, stacks: Sequence[Stack] | None, args: tuple, kwargs: dict, deferrable: bool
+    ) -> bool:
+        if not self.agreement.due:  # not a training micro-batch, or its agreement was made before the failure
+            return True
+        if deferrable and not self._carries(module, stacks, args, kwargs):
+            return False
         self.remove()
         with contextlib.suppress(Exception):  # nothing better to do: the collective itself failed
-            self._tell()
+            self.agreement.tell()
+        return True
+
+    def _carries(self, module: torch.nn.Module, stacks: Sequence[Stack] | None, args: tuple, kwargs: dict) -> bool:
+        """Whether the call carries tokens, read as the controller reads it (a reading that fails: it does)."""
+        try:
+            return read_micro_batch(module, self.stacks if stacks is None else list(stacks), args, kwargs) is not None
+        except Exception:
+            return True
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
 
 
 class PlainCheckpointing:
@@ -103,10 +139,26 @@ class Fallback:
         self.plain: PlainCheckpointing | None = None
 
     def give_up(
-        self, where: str, error: BaseException, model: torch.nn.Module | None, entries: Sequence[torch.nn.Module]
+        self,
+        where: str,
+        error: BaseException,
+        model: torch.nn.Module | None,
+        hooks: ForwardHooks | None = None,
+        layout: ModelLayout | None = None,
     ) -> None:
         """``where`` raised ``error`` (a :class:`~autooffload.distributed.RankGaveUp`: another rank gave up).
-        ``model`` and its ``entries``: where a training micro-batch enters (None: not attached), for a notice."""
+        ``model`` (None: not attached), the controller's forward ``hooks``, which this takes (kept for a notice,
+        else removed), and its ``layout`` (the planned stacks and their entries), for a notice."""
+        try:
+            self._warn(where, error)
+            if not isinstance(error, RankGaveUp):
+                with contextlib.suppress(Exception):  # the collective failed: the process group is what is broken
+                    hooks = self._tell(where, model, hooks, layout)
+        finally:
+            if hooks is not None:
+                hooks.remove()
+
+    def _warn(self, where: str, error: BaseException) -> None:
         if isinstance(error, RankGaveUp):
             since = "the start" if where in BEFORE_JOIN else "this micro-batch on, this one included"
             self.warn(
@@ -120,27 +172,28 @@ class Fallback:
             f"internal error in {where} ({type(error).__name__}: {error}); autooffload stops and the run goes on "
             "with plain checkpointing (please report this with the model's config)",
         )
-        modules = [model, *(entry for entry in entries if entry is not model)] if model is not None else []
-        with contextlib.suppress(Exception):  # the collective itself failed: the process group is what is broken
-            self._tell(where, modules)
 
-    def _tell(self, where: str, modules: Sequence[torch.nn.Module]) -> None:
+    def _tell(
+        self, where: str, model: torch.nn.Module | None, hooks: ForwardHooks | None, layout: ModelLayout | None
+    ) -> ForwardHooks | None:
+        """Make the collective this rank owes, or leave a notice that makes it; returns the hooks it did not keep."""
         agreement = self.agreement
         if not agreement.active() or agreement.gave_up is not None or agreement.owing:
-            return
+            return hooks
         if not agreement.joined:
             if where in BEFORE_JOIN:
                 agreement.join(False, gave_up=True)
-            return  # otherwise the next attach joins with the flag (attach_refused)
+            return hooks  # otherwise the next attach joins with the flag (attach_refused)
         if not agreement.ranks_agree:
-            return
+            return hooks
         agreement.owing = True
-        if agreement.due:
-            agreement.tell()
-        elif where in AT_END:
+        if where in AT_END:
             agreement.worst(None)
-        elif agreement.per_micro_batch() and modules:
-            self.notice = RankNotice(modules, agreement.tell)
+        elif agreement.per_micro_batch() and model is not None and (hooks is not None or layout is not None):
+            stacks, entries = (layout.stacks, layout.entries) if layout is not None else ((), ())
+            self.notice = RankNotice(agreement, hooks, stacks, model, entries)
+            return None
+        return hooks
 
     def keep_plain(self, model: torch.nn.Module) -> None:
         """Plain checkpointing on ``model`` until the model is let go of (:meth:`let_go`) or the run ends."""

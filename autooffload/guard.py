@@ -17,8 +17,16 @@ any kernel, the user's included, that surfaced at a call of autooffload's: the d
 Every entry point is registered in :data:`ENTRY_POINTS` under its ``where``, so that the fault matrix
 (``benchmarks/faults.py``) injects a failure into each one, a new entry point included, without a list of its own.
 
-Everything below the entry points may raise freely; inner ``try``/``except`` is for failures that have a
-better fallback than giving up (a probe that stops reading, a user's policy that raises).
+Code of autooffload's that torch calls inside a training step (a saved tensor's pack and unpack hooks, a checkpoint
+function's per-call bookkeeping, a backward hook, a host buffer's finalizer) cannot give up where it runs, in the
+middle of autograd, and must not raise into the step. Each such place is registered in :data:`IN_STEP` and runs
+shielded (:meth:`StepFaults.shield`): where it raises, the step goes on as plain checkpointing would run it (its
+``fallback`` keeps the tensor where plain checkpointing keeps it) and the first failure waits in the run's
+:class:`StepFaults`; the next entry point gives up with it, before its own body, as if it had failed there (one
+warning naming the place; under torch.distributed every rank follows, :mod:`autooffload.fallback`).
+
+Everything below the entry points and the shielded places may raise freely; inner ``try``/``except`` is for
+failures that have a better fallback than giving up (a probe that stops reading, a user's policy that raises).
 """
 
 from __future__ import annotations
@@ -29,12 +37,71 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
+
+
+@dataclasses.dataclass(eq=False)
+class InStep:
+    """A place where autooffload's code runs inside a training step, called by torch: ``where`` it is (the warning
+    names it); ``fault``: what a test sets to make it raise there (None: nothing)."""
+
+    where: str
+    fault: Callable[[], None] | None = None
+
+
+IN_STEP: dict[str, InStep] = {}
+
+
+def in_step(where: str) -> InStep:
+    """Register the place ``where`` (once, as its module is imported)."""
+    if where in IN_STEP:
+        raise ValueError(f"two places inside a step named {where!r}: a warning must say which one failed")
+    place = IN_STEP[where] = InStep(where)
+    return place
+
+
+class StepFaults:
+    """A run's failures inside its training steps (see the module docstring): the first one, until the next entry
+    point takes it (:func:`guarded`) and gives up with it."""
+
+    def __init__(self) -> None:
+        self.first: tuple[str, Exception] | None = None
+
+    def shield(self, place: InStep, function: Callable[..., R], fallback: Callable[..., R]) -> Callable[..., R]:
+        """``function``, run so that an exception of autooffload's (not the step's: :func:`training_error`) is noted
+        and answered by ``fallback``, called with the same arguments. Cheap where nothing fails: one call and a
+        ``try``. The note drops the traceback, whose frames would hold the step's tensors until the give-up."""
+
+        def shielded(*args: Any) -> R:
+            try:
+                if place.fault is not None:
+                    place.fault()
+                return function(*args)
+            except Exception as error:
+                if training_error(error):
+                    raise
+                if self.first is None:
+                    self.first = (place.where, error.with_traceback(None))
+                return fallback(*args)
+
+        return shielded
+
+    def take(self) -> tuple[str, Exception] | None:
+        """The failure noted first since the last take (None: none), forgotten here."""
+        first, self.first = self.first, None
+        return first
+
+
+def nothing(*args: Any) -> None:
+    """The fallback of a place whose work can be left undone (a count, a report, a buffer given back)."""
 
 
 class Guarded(Protocol):
-    """What :func:`guarded` needs of the controller: whether it gave up, and how to give up."""
+    """What :func:`guarded` needs of the controller: whether it gave up, how to give up, and its failures inside
+    steps."""
 
     failed: bool
+    faults: StepFaults
 
     def give_up(self, where: str, error: BaseException) -> None: ...
 
@@ -55,7 +122,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {}
 
 def guarded(where: str, default: Any = None, *, always: bool = False) -> Callable[[F], F]:
     """Decorate an entry point of a controller (or of an object with a ``controller``): an ``Exception`` it
-    raises becomes ``controller.give_up(where, error)`` and the call returns ``default``; once given up, later
+    raises becomes ``controller.give_up(where, error)`` and the call returns ``default``, and so does one a shielded
+    place inside the step noted since the last entry (given up before this entry's body); once given up, later
     calls return ``default`` without running, except ``always`` entries, which handle a controller that gave
     up themselves (``attach`` and the end of training: a rank that gave up still owes the other ranks the
     collectives they make there)."""
@@ -69,6 +137,9 @@ def guarded(where: str, default: Any = None, *, always: bool = False) -> Callabl
         @functools.wraps(method)
         def entry(owner: Any, *args: Any, **kwargs: Any) -> Any:
             controller: Guarded = getattr(owner, "controller", owner)
+            failure = controller.faults.take() if controller.faults.first is not None else None
+            if failure is not None and not controller.failed:
+                controller.give_up(*failure)  # a failure inside the step: given up at this entry, before its body
             if controller.failed and not always:
                 return default
             try:
@@ -84,13 +155,26 @@ def guarded(where: str, default: Any = None, *, always: bool = False) -> Callabl
     return decorate
 
 
+class ModifiedInPlace(RuntimeError):
+    """A tensor a checkpointed layer saved was modified in place before the backward used it: the training step's
+    error, which plain checkpointing raises too (autograd checks a saved tensor's version; under saved-tensor hooks
+    it does not, so autooffload's hooks check it themselves)."""
+
+    def __init__(self, shape: Any, version: int, expected: int) -> None:
+        super().__init__(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+            f"tensor of shape {list(shape)} saved for a checkpointed layer is at version {version}; expected version "
+            f"{expected} instead (plain checkpointing raises this too)"
+        )
+
+
 def training_error(error: BaseException) -> bool:
     """An error of the training step, not of autooffload, which propagates as it is: a device out-of-memory
-    error, or an accelerator error (``torch.AcceleratorError``, torch 2.8+; before it, a ``RuntimeError`` whose
-    message starts with ``CUDA error``)."""
+    error, an accelerator error (``torch.AcceleratorError``, torch 2.8+; before it, a ``RuntimeError`` whose
+    message starts with ``CUDA error``), or a saved tensor modified in place (:class:`ModifiedInPlace`)."""
     import torch
 
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, ModifiedInPlace)):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):

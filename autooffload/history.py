@@ -72,6 +72,8 @@ REASONS = {
     "below_high": "off, and no signal reached its high threshold",
     "predicted_fits": "the predicted peak is under memory_high: none",
     "predicted_excess": "the predicted peak exceeds memory_high: the fewest layers that bring it under",
+    "forwards_alive": "forwards before this one in the same backward hold memory too: the fewest layers that bring "
+    "the step under memory_high",
     "policy": "a policy that gives no reason",
 }
 

@@ -29,7 +29,7 @@ from .decide.planner import Planner
 from .decide.policy import Policy
 from .distributed import RankAgreement
 from .fallback import Fallback
-from .guard import guarded
+from .guard import StepFaults, guarded
 from .history import StepRecord
 from .observe.memory import MemoryMonitor
 from .observe.probe import MemoryProbe
@@ -91,6 +91,7 @@ class Run:
         self._settings = settings
         self.warn = WarnOnce()
         self.failed = False  # autooffload.guard gave up: plain checkpointing until the run ends
+        self.faults = StepFaults()  # failures of its code inside a step, until an entry point gives up with them
         # A probe that stands for a device in the CPU's memory (SimulatedDevice) needs offloaded inputs moved out of it.
         self.host = host if host is not None else HostMemory(copy_cpu=bool(getattr(probe, "separate_host", False)))
         self._owns_host = host is None  # a manager passed in is the caller's: detach leaves its buffers to it
@@ -258,3 +259,4 @@ class Run:
         """The run ended (or a Trainer's new one begins): a give-up is over, nothing is owed to other ranks."""
         self.fallback.end()
         self.failed = False
+        self.faults.take()

@@ -37,7 +37,8 @@ class Settings:
     ``mode``: ``"auto"`` lets the policy decide per micro-batch, ``"on"`` always offloads, ``"off"`` never does.
     Offload turns on when the last step's memory fraction reaches ``memory_high`` or a micro-batch's sequence
     length reaches ``seq_high``; it turns off only when memory is below ``memory_low``, the sequence length is
-    below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. Under torch.compile,
+    below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch (a low threshold not set
+    follows a high one set, as the defaults stand: :data:`FOLLOWS`). Under torch.compile,
     at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
     ``engine``: ``"sync"`` copies on the compute stream; ``"stream"`` overlaps the copies with compute
     (:mod:`autooffload.apply.stream_engine`).
@@ -75,7 +76,13 @@ class Settings:
     def __post_init__(self) -> None:
         values = _as_settings(dataclasses.asdict(self))
         object.__setattr__(self, "host_memory", values["host_memory"])
-        _validate(values, {})
+        _check_values(values, {})
+        for low, (high, follow) in FOLLOWS.items():  # a low left at its default follows a high set below it
+            default = _DEFAULTS[low]
+            if values[low] == default and values[high] != _DEFAULTS[high] and default > values[high]:
+                values[low] = follow(values[high])
+                object.__setattr__(self, low, values[low])
+        _check_order(values, {})
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: Any) -> Settings:
@@ -94,7 +101,7 @@ class Settings:
         env = os.environ if env is None else env
         names = {_env_name(f.name): f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
-        labels = {f.name: _env_name(f.name) for f in dataclasses.fields(cls)}  # a default: how to change it
+        labels = {f.name: f"the default {f.name}" for f in dataclasses.fields(cls)}  # what nobody set
         for key, raw in env.items():
             if not key.startswith(ENV_PREFIX):
                 continue
@@ -115,12 +122,18 @@ class Settings:
         given = {k: v for k, v in overrides.items() if v is not None}
         values.update(given)
         labels.update({name: _label(source, name) for name in given})
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        _validate(_as_settings({**defaults, **values}), labels)  # each error names its value's source
+        _check_values(_as_settings({**_DEFAULTS, **values}), labels)  # each error names its value's source
+        for low, (high, follow) in FOLLOWS.items():
+            if high in values and low not in values:
+                values[low] = follow(values[high])
+        _check_order(_as_settings({**_DEFAULTS, **values}), labels)
         return cls(**_as_settings(values))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 
 def resolve(settings: Settings | None, **overrides: Any) -> Settings:
@@ -210,22 +223,34 @@ def _as_settings(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _validate(values: dict[str, Any], labels: Mapping[str, str]) -> None:
-    """Check every setting in ``values`` and the order of the thresholds; an error names a value by ``labels``
-    (its variable, argument or config key; a default by its variable, the way to change it)."""
-    given = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(Settings) if f.name in values}
+# A low threshold nobody set follows its high one, as the defaults stand to each other (0.80 under 0.90, 16384 half
+# of 32768): a user who sets only the high threshold gets a working pair, not an error about a default.
+FOLLOWS = {
+    "memory_low": ("memory_high", lambda high: round(max(high - 0.10, 0.0), 6)),
+    "seq_low": ("seq_high", lambda high: high // 2),
+}
 
-    def label(name: str) -> str:
-        return labels.get(name, _label("argument", name))
 
-    for name, kind in given.items():
-        _check(name, values[name], label(name), kind)
-    for low, high in (("memory_low", "memory_high"), ("seq_low", "seq_high")):
-        if low in values and high in values and values[low] > values[high]:
+def _check_values(values: dict[str, Any], labels: Mapping[str, str]) -> None:
+    """Check every setting in ``values``; an error names a value by ``labels`` (its variable, argument or config
+    key)."""
+    for field in dataclasses.fields(Settings):
+        if field.name in values:
+            _check(field.name, values[field.name], _named(field.name, labels), _TYPES[str(field.type)])
+
+
+def _check_order(values: dict[str, Any], labels: Mapping[str, str]) -> None:
+    """Each low threshold at or below its high one; an error names each by ``labels`` (a default as a default)."""
+    for low, (high, _) in FOLLOWS.items():
+        if values[low] > values[high]:
             raise SettingsError(
-                f"{label(low)}={values[low]} is above {label(high)}={values[high]}: "
+                f"{_named(low, labels)}={values[low]} is above {_named(high, labels)}={values[high]}: "
                 f"the low threshold must be at or below the high one (hysteresis)"
             )
+
+
+def _named(name: str, labels: Mapping[str, str]) -> str:
+    return labels.get(name, _label("argument", name))
 
 
 # The documented forms of a number in a variable: ASCII digits (an integer setting: 32768), with a decimal point for

@@ -48,6 +48,7 @@ ANCHORS = {
     "rescue-off": "rescue-off",
     "failed": "internal-error",
     "rank-gave-up": "rank-gave-up",
+    "uneven-micro-batches": "uneven-micro-batches",
     "axolotl-offloading": "axolotl-offloading",
     "trl-offloading": "trl-offloading",
 }

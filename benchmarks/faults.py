@@ -1,33 +1,40 @@
-"""The fault matrix: a failure at every guarded entry point, and the other faults a training job meets.
+"""The fault matrix: a failure at every guarded entry point and every place inside a step, in every window of a
+training step, and the other faults a training job meets.
 
-    python benchmarks/faults.py --out DIR              # the whole matrix (tens of minutes on two CPU cores)
+    python benchmarks/faults.py --out DIR              # the whole matrix (about an hour on two CPU cores)
     python benchmarks/faults.py --out DIR --quick      # a slice of it (what tests/test_faults.py runs)
 
-Each cell trains a tiny random Qwen3 through the real Trainer (4 layers, hidden 64, gradient accumulation 2,
+Each cell trains a tiny random model through the real Trainer (4 layers, hidden 64, gradient accumulation 2,
 6 optimizer steps of mixed lengths, an evaluation and a checkpoint save every 3 steps) with
 ``autooffload.attach(trainer)``, mode ``auto`` and a :class:`~autooffload.SimulatedDevice` small enough that the
 long micro-batches offload and (``recompute="auto"``) the short ones keep; then injects one fault. Axes:
 
 - **topology**: one process; two ranks under DDP over gloo (``torchrun``); two ranks under DeepSpeed ZeRO-3
   through Trainer (the entry points it reaches: no rescue there);
-- **engine** ``sync``/``stream``, **policy** ``predictive``/``hysteresis``, **recompute** ``always``/``auto``;
-- **faults**: an exception at every guarded entry point, enumerated from ``autooffload.guard.ENTRY_POINTS`` (a
-  new entry point is covered without editing this file), raised before the entry's body runs (and, for one
-  configuration per topology, after it ran), at the middle call of those the fault-free run made (the first, for
-  entries called once), on rank 1 of two; a probe that raises an NVML error, or that returns ``None``, a
-  fraction above 1 or NaN, or whose ``reset()`` raises; host buffers that cannot be allocated or pinned, and host
-  memory running out mid-step; a process killed with SIGKILL between two steps, then resumed from the last
-  Trainer checkpoint. An entry point reached only in a resumed run (a load) runs resumed from the fault-free
-  run's checkpoint; one reached only by an out-of-memory step (the rescue) runs with one injected.
+- **model**: a Qwen3; a T5 (encoder-decoder); a Qwen3 whose loss comes from ``model.model(...)`` (TRL's fused
+  loss: the top model's forward never runs, or runs without tokens through a wrapper, the call redirected);
+- **engine** ``sync``/``stream``, **policy** ``predictive``/``hysteresis``, **recompute** ``always``/``auto``
+  (every combination on one process, for the Qwen3);
+- **faults**: an exception at every guarded entry point (``autooffload.guard.ENTRY_POINTS``) and every place of
+  autooffload's code inside a step (``autooffload.guard.IN_STEP``), enumerated from the registries (a new one is
+  covered without editing this file), once in each **window** of the run the fault-free run called it in
+  (:class:`Moment`: the run's first micro-batch, a non-last and the last micro-batch of an accumulation, each's
+  forward and backward, an evaluation, outside a micro-batch), raised before the entry's body (and after it: after
+  the pre-forward hook's body is after the agreement), on rank 1, rank 0 or both (:func:`plans` says which
+  configuration gets which); a probe that raises an NVML error, or that returns ``None``, a fraction above 1 or
+  NaN, or whose ``reset()`` raises; host buffers that cannot be allocated or pinned, and host memory running out
+  mid-step; a process killed with SIGKILL between two steps, then resumed from the last Trainer checkpoint. An
+  entry point reached only in a resumed run (a load) runs resumed from the fault-free run's checkpoint; one reached
+  only by an out-of-memory step (the rescue) runs with one injected.
 
 Per cell: **survived** (every rank finished every step, no hang, no crash), **identical** (per micro-batch losses
 and final parameters bit-identical, fp32 on the CPU, to the same configuration's fault-free run, itself equal to
-plain checkpointing), **warned** (the failing rank warned once, naming the entry point and the cause; the other
-rank once, naming the rank that gave up), **detached** (no hook, owner or host buffer of autooffload left on the
-model, its checkpoint functions plain), **same collectives** (the ranks made the same sequence of Python-level
-collectives, and autooffload no more than without the fault), and for the kill, **resumed exactly** (the resumed
-run's losses and parameters those of the uninterrupted run). It writes ``faults.json`` (every cell) and
-``faults.md`` (the table) under ``--out``.
+plain checkpointing), **warned** (the failing rank warned once, naming the entry point or place and the cause; the
+other rank once, naming the rank that gave up), **detached** (no hook, owner or host buffer of autooffload left on
+the model, its checkpoint functions plain), **same collectives** (the ranks made the same sequence of Python-level
+collectives, and autooffload no more than without the fault), **raised** (the fault struck once, in the window
+planned), and for the kill, **resumed exactly** (the resumed run's losses and parameters those of the
+uninterrupted run). It writes ``faults.json`` (every cell) and ``faults.md`` (the tables) under ``--out``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -75,21 +83,28 @@ ACTIVE_FUNCTIONS = ("checkpoint_offload", "checkpoint_keep", "checkpoint_keep_me
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """One configuration: ``model`` "qwen3", "t5" (an encoder-decoder: the model and both stacks are entries) or
+    "inner" (a Qwen3 whose loss is computed from ``model.model(...)``, as TRL's fused-loss paths do: the top model's
+    forward never runs on one process, and runs without tokens through DDP or DeepSpeed, the call redirected)."""
+
     topology: str = "one"
     engine: str = "sync"
     policy: str = "predictive"
     recompute: str = "always"
+    model: str = "qwen3"
 
     @property
     def name(self) -> str:
-        return f"{self.topology}/{self.engine}/{self.policy}/{self.recompute}"
+        return f"{self.topology}/{self.model}/{self.engine}/{self.policy}/{self.recompute}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """``kind``: "none", "entry", "probe", "host" or "kill"; ``name``: the entry point or the fault's name;
-    ``timing``: "before" or "after" the entry's body; ``at``: which call of it fails; ``run``: "fresh",
-    "resumed" (from the fault-free run's checkpoint) or "rescued" (an out-of-memory step injected)."""
+    """``kind``: "none", "entry" (a guarded entry point), "step" (a place of autooffload's inside a step,
+    ``autooffload.guard.IN_STEP``), "probe", "host" or "kill"; ``name``: the entry point, the place or the fault's
+    name; ``timing``: "before" or "after" the entry's body; ``at``: which call of it fails, in ``window`` (the
+    moment of the run that call was in, :class:`Moment`); ``run``: "fresh", "resumed" (from the fault-free run's
+    checkpoint) or "rescued" (an out-of-memory step injected)."""
 
     kind: str = "none"
     name: str = ""
@@ -97,6 +112,7 @@ class Fault:
     at: int = 1
     run: str = "fresh"
     ranks: str = "last"  # which ranks fail: "last" (rank 1 of 2, or the only one), "first" (rank 0) or "all"
+    window: str = ""
 
     @property
     def label(self) -> str:
@@ -104,8 +120,6 @@ class Fault:
             "last": [], "first": ["rank 0"], "all": ["every rank"]
         }[self.ranks]  # fmt: skip
         detail = f" ({', '.join(parts)})" if parts else ""
-        if self.kind == "entry":
-            return f"entry: {self.name}{detail}"
         return self.kind if self.kind in ("none", "kill") else f"{self.kind}: {self.name}{detail}"
 
     def failing(self, rank: int, world: int) -> bool:
@@ -117,7 +131,33 @@ class InjectedFault(RuntimeError):
     """The exception the matrix raises inside autooffload."""
 
 
-# ---- one training run -------------------------------------------------------------------------------------
+# ---- the moments of a training run ---------------------------------------------------------------------------
+
+
+class Moment:
+    """Where the running Trainer is, so that each call of autooffload's is filed under the window of the run it
+    falls in: a training micro-batch (the run's first, or a non-last or the last of an accumulation), its forward or
+    its backward; an evaluation; or outside any micro-batch (a step's start or end, a save, a log, the run's start
+    and end). The matrix fails each entry point and place once in each window the fault-free run called it in."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.micro, self.steps, self.in_micro, self.evaluating = 0, 0, False, False
+
+    def window(self) -> str:
+        if self.evaluating:
+            return "evaluation"
+        if not self.in_micro:
+            return "outside a micro-batch"
+        first = self.steps == 0 and self.micro == 1
+        position = "the run's first" if first else ("the last" if self.micro == ACCUMULATION else "a non-last")
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return f"{position} micro-batch, {phase}"
+
+
+MOMENT = Moment()
 
 
 def rank() -> int:
@@ -141,46 +181,83 @@ def entry_points() -> dict[str, Any]:
     }
 
 
+def places() -> dict[str, Any]:
+    """Every place of autooffload's code inside a training step (``autooffload.guard.IN_STEP``), by its name."""
+    import autooffload.controller  # noqa: F401  (imports every module that registers a place)
+    from autooffload.guard import IN_STEP
+
+    return dict(IN_STEP)
+
+
 @contextlib.contextmanager
-def counting_entries() -> Iterator[dict[str, int]]:
-    """Count the calls of every entry point (the guard's skip after a give-up is not counted)."""
-    counts: dict[str, int] = {}
-    points = entry_points()
+def counting_calls() -> Iterator[dict[str, list[str]]]:
+    """The window (:class:`Moment`) of every call of every entry point and place, in order (the guard's skip after
+    a give-up is not a call)."""
+    calls: dict[str, list[str]] = {}
+    points, steps = entry_points(), places()
     originals = {where: point.method for where, point in points.items()}
+
+    def note(where: str) -> None:
+        calls.setdefault(where, []).append(MOMENT.window())
 
     def counted(where: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            counts[where] = counts.get(where, 0) + 1
+            note(where)
             return method(owner, *args, **kwargs)
 
         return call
 
     for where, point in points.items():
         point.method = counted(where, originals[where])
+    for where, place in steps.items():
+        place.fault = functools.partial(note, where)
     try:
-        yield counts
+        yield calls
     finally:
         for where, point in points.items():
             point.method = originals[where]
+        for place in steps.values():
+            place.fault = None
 
 
 @contextlib.contextmanager
-def injected(fault: Fault) -> Iterator[dict[str, int]]:
-    """Raise :class:`InjectedFault` at the ``fault.at``-th call of the entry point, before or after its body."""
+def injected(fault: Fault) -> Iterator[dict[str, Any]]:
+    """Raise :class:`InjectedFault` at the ``fault.at``-th call of the entry point (before or after its body) or of
+    the place inside a step; ``state`` says how often it raised and in which window."""
+    state: dict[str, Any] = {"calls": 0, "raised": 0, "windows": []}
+
+    def hit() -> bool:
+        state["calls"] += 1
+        return state["calls"] == fault.at
+
+    def fire(when: str) -> InjectedFault:
+        state["raised"] += 1
+        state["windows"].append(MOMENT.window())
+        return InjectedFault(f"injected {when} call {fault.at}")
+
+    if fault.kind == "step":
+        place = places()[fault.name]
+
+        def raising() -> None:
+            if hit():
+                raise fire("at")
+
+        place.fault = raising
+        try:
+            yield state
+        finally:
+            place.fault = None
+        return
     point = entry_points()[fault.name]
     original = point.method
-    state = {"calls": 0, "raised": 0}
 
     def failing(owner: Any, *args: Any, **kwargs: Any) -> Any:
-        state["calls"] += 1
-        fire = state["calls"] == fault.at
-        if fire and fault.timing == "before":
-            state["raised"] += 1
-            raise InjectedFault(f"injected at call {fault.at}")
+        now = hit()
+        if now and fault.timing == "before":
+            raise fire("at")
         result = original(owner, *args, **kwargs)
-        if fire:
-            state["raised"] += 1
-            raise InjectedFault(f"injected after call {fault.at}")
+        if now:
+            raise fire("after")
         return result
 
     point.method = failing
@@ -268,6 +345,37 @@ class OutOfMemoryOnce:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
 
 
+def tiny_t5() -> torch.nn.Module:
+    """A tiny random T5: an encoder and a decoder of ``LAYERS // 2`` layers each, both planned, three entries."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // 4, d_ff=2 * HIDDEN, num_layers=LAYERS // 2,
+        num_decoder_layers=LAYERS // 2, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config)
+
+
+def inner_loss(unwrapped: torch.nn.Module, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss from ``model.model(...)``'s hidden states, as TRL's fused-loss paths compute it. On one process the
+    top model's forward never runs; through a wrapper (DDP, DeepSpeed) the top model is called without tokens, its
+    forward redirected to this (TRL's ``_forward_redirection``), so that the wrapper's own forward runs."""
+
+    def loss() -> torch.Tensor:
+        hidden = unwrapped.model(input_ids=inputs["input_ids"]).last_hidden_state
+        logits = unwrapped.lm_head(hidden).float()
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:].flatten())
+
+    if model is unwrapped:
+        return loss()
+    unwrapped.forward = lambda *args, **kwargs: loss()
+    try:
+        return model()
+    finally:
+        del unwrapped.forward
+
+
 def parameter_digest(model: torch.nn.Module, zero3: bool) -> str:
     digest = hashlib.sha256()
     parameters = sorted(model.named_parameters())
@@ -302,7 +410,7 @@ def recording_collectives() -> Iterator[dict[str, Any]]:
 
         return call
 
-    mine = {name: getattr(ours, name) for name in ("all_reduce_max", "join_ranks", "gather_peaks")}
+    mine = {name: getattr(ours, name) for name in ("all_reduce_max", "join_ranks")}
 
     def counted(function: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -363,21 +471,43 @@ def train(config: Config, fault: Fault, out: Path, autooffload: bool = True, kil
     from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
 
     losses: list[float] = []
+    MOMENT.reset()
 
     class InOrderTrainer(Trainer):
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
             return SequentialSampler(self.train_dataset)
 
         def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            loss = super().training_step(*args, **kwargs)
+            MOMENT.micro, MOMENT.in_micro = MOMENT.micro + 1, True
+            try:
+                loss = super().training_step(*args, **kwargs)
+            finally:
+                MOMENT.in_micro = False
             losses.append(loss.item())
             return loss
 
+        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+            MOMENT.evaluating = True
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                MOMENT.evaluating = False
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if config.model != "inner":
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            loss = inner_loss(self.accelerator.unwrap_model(model), model, inputs)
+            return (loss, {"loss": loss}) if kwargs.get("return_outputs") or (args and args[0]) else loss
+
     class Kill(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            MOMENT.micro = 0
             if kill_at is not None and state.global_step == kill_at and rank() == world() - 1:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            MOMENT.steps += 1
 
     zero3 = config.topology == "zero3"
     size = world()
@@ -411,14 +541,15 @@ def train(config: Config, fault: Fault, out: Path, autooffload: bool = True, kil
         disable_tqdm=True,
         seed=0,
         optim="sgd",  # no optimizer state: the activations, not Adam's moments, decide what fits
+        prediction_loss_only=True,
         **plain,
         **extra,
     )
-    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    model = tiny_t5() if config.model == "t5" else tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
     oom = OutOfMemoryOnce() if fault.run == "rescued" else None
     if oom is not None:
-        model.model.norm.register_forward_pre_hook(oom)
-    mine = fault.kind in ("entry", "probe", "host") and fault.failing(rank(), world())
+        (model.decoder.final_layer_norm if config.model == "t5" else model.model.norm).register_forward_pre_hook(oom)
+    mine = fault.kind in ("entry", "step", "probe", "host") and fault.failing(rank(), world())
     device: Any = SimulatedDevice(DEVICE_BYTES)
     if fault.kind == "probe" and mine:
         device = FaultyProbe(device, fault.name)
@@ -437,12 +568,12 @@ def train(config: Config, fault: Fault, out: Path, autooffload: bool = True, kil
                 callback.controller.host = faulty_host(fault.name)
         started = time.perf_counter()
         with recording_collectives() as collectives:
-            if fault.kind == "entry" and mine:
+            if fault.kind in ("entry", "step") and mine:
                 with injected(fault) as injection:
                     trainer.train(resume_from_checkpoint=resume)
             else:
                 injection = None
-                with counting_entries() as counts:
+                with counting_calls() as calls:
                     trainer.train(resume_from_checkpoint=resume)
     ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
     return {
@@ -454,7 +585,8 @@ def train(config: Config, fault: Fault, out: Path, autooffload: bool = True, kil
         "parameters": parameter_digest(model, zero3),
         "warnings": ours,
         "raised": injection["raised"] if injection is not None else None,
-        "entry_calls": counts if injection is None else None,
+        "raised_in": injection["windows"] if injection is not None else None,
+        "calls": calls if injection is None else None,
         "leftovers": leftovers(model, callback),
         "collectives": collectives["sequence"],
         "autooffload_collectives": collectives["autooffload"],
@@ -597,10 +729,50 @@ def run_single(job: Job, scratch: Path) -> tuple[int, dict | None]:
 # ---- the matrix -------------------------------------------------------------------------------------------
 
 
-def configs(topology: str, quick: bool) -> list[Config]:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a configuration's cells are. ``windows``: every entry point and place fails once in each window of the
+    run the fault-free run called it in (:class:`Moment`: the run's first micro-batch, a non-last and the last of an
+    accumulation, each's forward and backward, an evaluation, outside a micro-batch), else once, at its middle call;
+    an entry point fails before its body and, with ``after``, after it too (after the pre-forward hook's body: after
+    the agreement), on the last rank; ``subsets``: the ranks an entry point's cells fail on before its body (a
+    place's: the last rank); ``places``: the places inside
+    a step too; ``others``: the probe and host faults; ``kill``: SIGKILL between two steps, then a resume; ``only``:
+    these entry points, places and faults by name."""
+
+    windows: bool | tuple[str, ...] = False  # a tuple: these windows only
+    after: bool | tuple[str, ...] = False  # a tuple: these entry points only
+    subsets: tuple[str, ...] = ("last",)
+    places: bool = True
+    others: bool = False
+    kill: bool = False
+    only: tuple[str, ...] | None = None  # these entry points, places and faults only
+
+
+PRIMARY = dict(engine="sync", policy="predictive", recompute="auto")  # reaches every entry point: a kept layer's report
+RUNS = ("fresh", "resumed", "rescued")
+
+
+def plans(topology: str, quick: bool) -> list[tuple[Config, Plan]]:
+    """The configurations of ``topology`` and their cells. Every window, on every subset of ranks, for a Qwen3 in
+    the configuration that reaches every entry point; every window on the last rank for a T5 and a model entered
+    through ``model.model`` (their two-rank cells hold the two repros of issue 37: a T5 failing in an encoder layer's
+    report, a Qwen3 in its pre-forward hook after the agreement); once per entry point and place for the other
+    engines, policies and recompute settings (all of them on one process, one on two ranks)."""
     if quick:  # recompute="auto": the one configuration that reaches every entry point (a kept layer's report)
-        return [Config(topology, recompute="auto")]
-    return [Config(topology, e, p, r) for e in ENGINES for p in POLICIES for r in RECOMPUTES]
+        return [(Config(topology, recompute="auto"), Plan(after=True, others=True, kill=True))]
+    hook = ("the pre-forward hook",)  # after its body: after the agreement (the Qwen3 repro of issue 37)
+    every = {"one": ("last",), "ddp": ("last", "first", "all"), "zero3": ("last", "all")}[topology]
+    after = True if topology == "one" else hook
+    primary = Plan(True, after, every, others=topology != "zero3", kill=True)
+    chosen = [(Config(topology, **PRIMARY), primary)]
+    if topology == "zero3":
+        return chosen
+    chosen += [(Config(topology, model=model, **PRIMARY), Plan(True, after)) for model in ("t5", "inner")]
+    if topology == "one":
+        others = [Config(topology, e, p, r) for e in ENGINES for p in POLICIES for r in RECOMPUTES]
+        return chosen + [(c, Plan(others=True, kill=True)) for c in others if c != Config(topology, **PRIMARY)]
+    return [*chosen, (Config(topology, "stream", "hysteresis", "always"), Plan())]
 
 
 def references(topology: str, config: Config, out: Path) -> list[Job]:
@@ -619,43 +791,63 @@ def references(topology: str, config: Config, out: Path) -> list[Job]:
 
 
 def cells(
-    config: Config,
-    counts: dict[str, list[dict[str, int]]],
-    out: Path,
-    timings: tuple[str, ...],
-    only: tuple[str, ...] | None,
-    subsets: tuple[str, ...] = ("last",),
+    config: Config, calls: dict[str, list[dict[str, list[str]]]], out: Path, plan: Plan, only: tuple[str, ...] | None
 ) -> tuple[list[Job], list[str]]:
-    """Every entry point x ``timings`` x failing ``subsets`` at the run kind that reaches it on the failing ranks
-    (``counts``: per run kind, each rank's calls of each entry point), every probe and host fault; and the entry
-    points no run kind reaches in this configuration."""
+    """The cells of ``config`` by ``plan``, at the run kind that reaches each entry point or place on the failing
+    ranks (``calls``: per run kind, each rank's windows of each call of each); and what no run kind reaches."""
     base = out / "runs" / config.name.replace("/", "-")
     checkpoint = str(base / "reference" / f"checkpoint-{SAVE_EVERY}")
     jobs, unreached = [], []
-    size = len(next(iter(counts.values())))
-    for where in sorted(entry_points()):
+    size = len(next(iter(calls.values())))
+    only = plan.only if plan.only is not None else only
+    points = [("entry", w) for w in sorted(entry_points())] + [("step", w) for w in sorted(places()) if plan.places]
+    for kind, where in points:
         if only is not None and where not in only:
             continue
         reached = False
-        for subset in subsets if size > 1 else ("last",):
+        for subset in plan.subsets if kind == "entry" and size > 1 else ("last",):
             failing = [r for r in range(size) if Fault(ranks=subset).failing(r, size)]
-            calls_of = {kind: min(per_rank[r].get(where, 0) for r in failing) for kind, per_rank in counts.items()}
-            run = next((kind for kind in ("fresh", "resumed", "rescued") if calls_of.get(kind)), None)
+            run = next((k for k in RUNS if k in calls and all(calls[k][r].get(where) for r in failing)), None)
             if run is None:
                 continue
             reached = True
-            for timing in timings:
-                fault = Fault("entry", where, timing, max(1, (calls_of[run] + 1) // 2), run, subset)
-                name = f"{where}-{timing}-{subset}".replace(" ", "_").replace("'", "")
-                resume = checkpoint if run == "resumed" else None
-                jobs.append(Job(config, fault, "cell", str(base / name), resume=resume))
+            # The ranks may call it differently often (rank 0 alone saves the callback's state): the calls of the
+            # failing rank with the fewest choose, and a call in another window on another failing rank is left out.
+            seen = [calls[run][r][where] for r in failing]
+            for window, at in moments(min(seen, key=len), plan.windows):
+                if any(w[at - 1] != window for w in seen):
+                    continue
+                for timing in ("before", "after") if kind == "entry" and subset == "last" else ("before",):
+                    if timing == "after" and not (plan.after is True or (plan.after and where in plan.after)):
+                        continue
+                    fault = Fault(kind, where, timing, at, run, subset, window)
+                    name = f"{kind}-{where}-{timing}-{subset}-{at}".replace(" ", "_").replace("'", "")
+                    jobs.append(
+                        Job(config, fault, "cell", str(base / name), resume=checkpoint if run == "resumed" else None)
+                    )
         if not reached:
-            unreached.append(where)
-    for kind, names in (("probe", PROBE_FAULTS), ("host", HOST_FAULTS)):
+            unreached.append(f"{kind}: {where}")
+    for kind, names in (("probe", PROBE_FAULTS), ("host", HOST_FAULTS)) if plan.others else ():
         for name in names:
             if only is None or name in only:
                 jobs.append(Job(config, Fault(kind, name), "cell", str(base / f"{kind}-{name}")))
     return jobs, unreached
+
+
+def moments(windows: list[str], every: bool | tuple[str, ...]) -> list[tuple[str, int]]:
+    """Which calls fail, as (window, 1-based call): with ``every``, one in each window the calls fell in (in the order
+    they first did; a tuple: in those windows only): a micro-batch's first (the earliest step, before anything
+    after the failure could hide it) or, outside micro-batches, the middle one; else the middle call of all."""
+    if every is False:
+        middle = (len(windows) + 1) // 2
+        return [(windows[middle - 1], middle)]
+    chosen = []
+    for window in dict.fromkeys(windows):
+        if every is not True and window not in every:
+            continue
+        positions = [i + 1 for i, w in enumerate(windows) if w == window]
+        chosen.append((window, positions[(len(positions) - 1) // 2 if window.startswith("outside") else 0]))
+    return chosen
 
 
 def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plain: list[dict | None]) -> dict:
@@ -663,7 +855,7 @@ def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plai
     fault = job.fault
     survived = all(r is not None and r["steps"] == STEPS for r in ranks)
     verdict: dict[str, Any] = {"key": job.key, "config": job.config.name, "fault": fault.label, "run": fault.run,
-                               "at": fault.at, "survived": survived}  # fmt: skip
+                               "at": fault.at, "window": fault.window, "survived": survived}  # fmt: skip
     if not survived:
         return verdict
     failing = [r for r in range(len(ranks)) if fault.failing(r, len(ranks))]
@@ -676,6 +868,7 @@ def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plai
     )
     expected = {
         "entry": f"internal error in {fault.name} (InjectedFault: injected",
+        "step": f"internal error in {fault.name} (InjectedFault: injected",
         "probe": "memory probe reset failed" if fault.name == "reset-raises" else "memory reading failed",
         "host": {"allocate-fails": "could not be allocated", "pin-fails": "pinning host memory failed",
                  "host-runs-out": "host memory is short"}.get(fault.name, "?"),
@@ -693,13 +886,14 @@ def judge(job: Job, ranks: list[dict | None], reference: list[dict | None], plai
         warned = all(failure_warnings(r) == [] for r in ranks)
     elif fault.kind == "entry" and ((fault.name in AT_END and fault.timing == "after") or fault.ranks == "all"):
         warned = warned and all(o == [] for o in others)  # nothing left to tell, or nobody left to tell it to
-    elif fault.kind == "entry":
+    elif fault.kind in ("entry", "step"):
         told = f"rank {max(failing)} gave up"
         warned = warned and all(len(o) == 1 and told in o[0] for o in others)
     else:
         warned = warned and all(o == [] for o in others)
-    if fault.kind == "entry":
+    if fault.kind in ("entry", "step"):  # raised once, in the window planned
         verdict["raised"] = all(ranks[i]["raised"] == 1 for i in failing)
+        verdict["raised"] = verdict["raised"] and all(ranks[i]["raised_in"] == [fault.window] for i in failing)
     verdict["warned"] = warned
     verdict["detached"] = all(not r["leftovers"] for r in ranks)
     verdict["same_collectives"] = all(r["collectives"] == ranks[0]["collectives"] for r in ranks) and all(
@@ -754,47 +948,45 @@ def run_topology(
     only: tuple[str, ...] | None,
     log: Callable[[str], None],
     kill: bool = True,
-    timings: tuple[str, ...] = ("before", "after"),
-    subsets: tuple[str, ...] = ("last", "first", "all"),
+    chosen: list[tuple[Config, Plan]] | None = None,
 ) -> list[dict]:
-    """Every configuration of ``topology``: its fault-free runs, then its cells (the first configuration with every
-    one of ``timings`` and failing ``subsets``, the others raising before the body on the last rank)."""
+    """Every configuration of ``topology`` (``chosen``: these instead of :func:`plans`'): its fault-free runs, then
+    its cells."""
     scratch = out / "scratch"
     runner = run_alone if topology == "one" else run_ranked
     verdicts: list[dict] = []
-    for index, config in enumerate(configs(topology, quick)):
-        refs = references(topology, config, out)
-        done = runner(refs, scratch)
-        missing = [job.key for job in refs if any(r is None for r in done.get(job.key, [None]))]
-        if missing:
-            log(f"{config.name}: fault-free runs failed: {missing}")
-            verdicts.append({"config": config.name, "fault": "fault-free runs", "survived": False})
-            continue
-        results = {job.fault.run if job.role == "reference" else "plain": done[job.key] for job in refs}
-        runs = ("fresh", "resumed", "rescued")
-        counts = {run: [r["entry_calls"] for r in results[run]] for run in runs if run in results}
+    fault_free: dict[Config, dict[str, list[dict | None]]] = {}  # a configuration planned twice runs them once
+    for config, plan in chosen if chosen is not None else plans(topology, quick):
+        if config not in fault_free:
+            refs = references(topology, config, out)
+            done = runner(refs, scratch)
+            missing = [job.key for job in refs if any(r is None for r in done.get(job.key, [None]))]
+            if missing:
+                log(f"{config.name}: fault-free runs failed: {missing}")
+                verdicts.append({"config": config.name, "fault": "fault-free runs", "survived": False})
+                continue
+            fault_free[config] = {job.fault.run if job.role == "reference" else "plain": done[job.key] for job in refs}
+        results = fault_free[config]
+        calls = {run: [r["calls"] for r in results[run]] for run in RUNS if run in results}
         moved = [r["bytes_moved"] for r in results["fresh"]]
-        first = index == 0
-        jobs, unreached = cells(config, counts, out, timings if first else ("before",), only,
-                                subsets if first else ("last",))  # fmt: skip
+        jobs, unreached = cells(config, calls, out, plan, only)
         log(f"{config.name}: fault-free moved {moved} bytes; {len(jobs)} cells; not reached: {unreached}")
         outcome = runner(jobs, scratch)
         for job in jobs:
             ranks = outcome.get(job.key, [None] * (1 if topology == "one" else 2))
             verdict = judge(job, ranks, results[job.fault.run], results["plain"])
-            verdict["topology"] = topology
+            verdict["topology"], verdict["model"] = topology, config.model
             if not verdict["survived"]:
                 verdict["output"] = outcome.get(job.key + " output")
             verdicts.append(verdict)
-        for where in unreached:
-            verdicts.append(
-                {"config": config.name, "topology": topology, "fault": f"entry: {where}", "unreached": True}
-            )
-        if kill and (index == 0 or topology == "one"):
+        for point in unreached:
+            if point.startswith("entry: "):
+                verdicts.append({"config": config.name, "topology": topology, "fault": point, "unreached": True})
+        if kill and plan.kill:
             verdict = kill_cells(topology, config, out, results["fresh"])
-            verdict["topology"] = topology
+            verdict["topology"], verdict["model"] = topology, config.model
             verdicts.append(verdict)
-        bad = [v["key"] for v in verdicts[-len(jobs) - 1 :] if not all(v.get(k, True) for k in CHECKS)]
+        bad = [v.get("key") for v in verdicts[-len(jobs) - 1 :] if not all(v.get(k, True) for k in CHECKS)]
         log(f"{config.name}: {len(jobs)} cells judged; not all checks held: {bad}")
     return verdicts
 
@@ -834,19 +1026,39 @@ def table(verdicts: list[dict]) -> str:
 
 def summary(verdicts: list[dict]) -> str:
     """Per kind of fault and topology: cells injected / survived with identical results and every check held."""
-    kinds = {"entry": "an exception at an entry point", "probe": "the memory probe", "host": "host memory",
-             "kill": "SIGKILL between steps, resumed"}  # fmt: skip
+    kinds = {"entry": "an exception at an entry point", "step": "an exception inside a step (a place)",
+             "probe": "the memory probe", "host": "host memory", "kill": "SIGKILL between steps, resumed"}  # fmt: skip
+    return held_table(verdicts, "fault", kinds, lambda v: v.get("fault", "").split(":")[0])
+
+
+def windows_table(verdicts: list[dict]) -> str:
+    """Per window of the run (entry points and places) and topology: cells injected / every check held."""
+    names = dict.fromkeys(sorted({v["window"] for v in verdicts if v.get("window")}, key=_window_order))
+    return held_table(verdicts, "window", {name: name for name in names}, lambda v: v.get("window", ""))
+
+
+def models_table(verdicts: list[dict]) -> str:
+    """Per model and topology: cells injected / every check held."""
+    models = {"qwen3": "Qwen3", "t5": "T5 (encoder-decoder)", "inner": "Qwen3 entered through model.model (TRL)"}
+    return held_table(verdicts, "model", models, lambda v: v.get("model", ""))
+
+
+def held_table(verdicts: list[dict], title: str, rows: dict[str, str], key: Callable[[dict], str]) -> str:
     topologies = [t for t in TOPOLOGIES if any(v.get("topology") == t for v in verdicts)]
-    lines = ["| fault | " + " | ".join(topologies) + " |", "|---" * (len(topologies) + 1) + "|"]
-    for kind, name in kinds.items():
+    lines = [f"| {title} | " + " | ".join(topologies) + " |", "|---" * (len(topologies) + 1) + "|"]
+    for row, name in rows.items():
         cells = []
         for topology in topologies:
-            mine = [v for v in verdicts if v.get("topology") == topology and v.get("fault", "").split(":")[0] == kind]
-            mine = [v for v in mine if not v.get("unreached")]
+            mine = [v for v in verdicts if v.get("topology") == topology and key(v) == row and not v.get("unreached")]
             held = sum(all(v.get(k, True) for k in CHECKS) for v in mine)
             cells.append(f"{held} of {len(mine)}" if mine else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _window_order(window: str) -> tuple[int, str]:
+    order = ("the run's first", "a non-last", "the last", "evaluation", "outside")
+    return next((i for i, start in enumerate(order) if window.startswith(start)), len(order)), window
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -911,12 +1123,14 @@ def write(out: Path, verdicts: list[dict], options: argparse.Namespace, seconds:
         "transformers": transformers.__version__,
         "seconds": round(seconds),
         "entry_points": sorted(entry_points()),
+        "places": sorted(places()),
     }
     (out / "faults.json").write_text(json.dumps({**meta, "cells": verdicts}, indent=1))
     (out / "faults.md").write_text(
         f"# Fault matrix, {meta['date']}\n\n`{meta['command']}` ({meta['machine']}; torch {meta['torch']}, "
         f"transformers {meta['transformers']}; {meta['seconds']} s)\n\nCells where every check held:\n\n"
-        f"{summary(verdicts)}\n\nEvery fault:\n\n{table(verdicts)}\n"
+        f"{summary(verdicts)}\n\nBy the window of the run the fault struck in:\n\n{windows_table(verdicts)}\n\n"
+        f"By model:\n\n{models_table(verdicts)}\n\nEvery fault:\n\n{table(verdicts)}\n"
     )
 
 

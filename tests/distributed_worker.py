@@ -17,10 +17,14 @@ micro-batch and the other a short one (``LENGTHS``), so only an agreement makes 
 - ``give_up``: Trainer DDP (gradient accumulation 2), where rank 1 alone fails inside autooffload: in the
   pre-forward hook of its second micro-batch, then (a second run) in ``attach``; and a run without autooffload.
   Every rank must finish every step with the plain run's losses and parameters.
+- ``give_up_in_forward``: Trainer DDP without accumulation, rank 1 failing inside a running forward after its
+  micro-batch's agreement: a tiny T5 in an encoder layer's report, a tiny Qwen3 in its pre-forward hook after the
+  agreement; each beside a run without autooffload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -541,6 +545,154 @@ def give_up(rank: int, out: Path) -> dict:
     return result
 
 
+def tiny_t5() -> torch.nn.Module:
+    """A tiny random T5 (encoder-decoder: the model and both stacks are entries)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=2 * HIDDEN, num_layers=LAYERS, num_decoder_layers=LAYERS,
+        num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config)
+
+
+def failing_entry(where: str, fails: object) -> object:
+    """Make the entry point ``where`` raise where ``fails(controller, *args)`` says (before its body); returns a
+    function that puts it back."""
+    from autooffload.guard import ENTRY_POINTS
+
+    point = ENTRY_POINTS[where]
+    original = point.method
+
+    def failing(owner, *args, **kwargs):
+        if fails(owner, *args):
+            raise RuntimeError("injected failure on rank 1")
+        return original(owner, *args, **kwargs)
+
+    point.method = failing
+    return lambda: setattr(point, "method", original)
+
+
+def in_forward_run(rank: int, out: Path, name: str, inject: bool) -> dict:
+    """One Trainer DDP run of a tiny ``name`` ("t5" or "qwen3"), no gradient accumulation; with ``inject``, rank 1
+    fails inside the forward of its second micro-batch after that micro-batch's agreement: T5 in an encoder
+    layer's report (the decoder stack's entry comes after it in the same forward), Qwen3 in its pre-forward hook
+    after the agreement (``host.expect``; Qwen3Model's entry comes after it in the same forward)."""
+    import warnings
+
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from autooffload import AutoOffloadWarning
+    from autooffload.apply.host_memory import HostMemory
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    restore = []
+    failed_at: list[int] = []
+    if inject and rank == 1 and name == "t5":
+
+        def second_encoder_layer(controller, position: int, *rest) -> bool:
+            # Positions 0 to LAYERS - 1 are the encoder's layers; the second micro-batch is planned and recorded.
+            fails = controller.record.micro_batches == 2 and position == 1 and not failed_at
+            if fails:
+                failed_at.append(position)
+            return fails
+
+        restore.append(failing_entry("a layer call's report", second_encoder_layer))
+    if inject and rank == 1 and name == "qwen3":
+        expect, expected = HostMemory.expect, [0]
+
+        def failing_expect(self, sizes):
+            expected[0] += 1
+            if expected[0] == 2:
+                raise RuntimeError("injected failure on rank 1")
+            return expect(self, sizes)
+
+        HostMemory.expect = failing_expect
+        restore.append(lambda: setattr(HostMemory, "expect", expect))
+    lengths = [length for step in LENGTHS for length in step]
+    plain = {k: {"use_reentrant": False} if k.endswith("_kwargs") else v for k, v in checkpointing_arguments().items()}
+    args = TrainingArguments(
+        output_dir=str(out / f"in_forward_{name}_{inject}"), per_device_train_batch_size=1, max_steps=len(LENGTHS),
+        learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, ddp_backend="gloo",
+        ddp_timeout=60, disable_tqdm=True, seed=0, **plain,
+    )  # fmt: skip
+    model = tiny_t5() if name == "t5" else tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    record = Losses()
+    callbacks: list = [record]
+    calls = count_collectives()
+    if inject:
+        callbacks.insert(0, AutoOffloadCallback(mode="auto", probe=None, policy=RecordingPolicy()))
+    real = autooffload_distributed.all_reduce_max
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        dataset = MixedLengths(lengths, VOCAB)
+        trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+        trainer.train()
+    for undo in restore:
+        undo()
+    autooffload_distributed.all_reduce_max = real
+    return {
+        "steps": trainer.state.global_step,
+        "losses": record.losses,
+        "parameters": parameter_digest(model),
+        "collectives": calls[0],
+        "failed_at": failed_at,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+    }
+
+
+def give_up_in_forward(rank: int, out: Path) -> dict:
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    runs = [(name, inject) for name in ("t5", "qwen3") for inject in (False, True)]
+    return {f"{name}_{inject}": in_forward_run(rank, out, name, inject) for name, inject in runs}
+
+
+def uneven_run(rank: int, join: bool) -> dict:
+    """A raw loop where rank 0 runs 3 micro-batches and rank 1 runs 2 (an uneven dataset); with ``join``, under DDP
+    and its ``join()``, which lets DDP train on uneven inputs, else on the bare model. Then ``finish()``."""
+    import warnings
+
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autooffload import AutoOffloadWarning
+
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    controller = OffloadController(Settings(), probe=None, policy=RecordingPolicy())
+    steps = 3 if rank == 0 else 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        controller.attach(model)
+        wrapped = DistributedDataParallel(model) if join else model
+        with Join([wrapped]) if join else contextlib.nullcontext():
+            for step in range(steps):
+                ids = batch(step, rank)
+                wrapped(input_ids=ids, labels=ids).loss.backward()
+                controller.end_step()
+        controller.finish()
+    return {"steps": steps, "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]}
+
+
+def uneven_micro_batches(rank: int, out: Path) -> dict:
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    return {"join": uneven_run(rank, join=True), "bare": uneven_run(rank, join=False)}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -550,6 +702,8 @@ def main() -> None:
         "fsdp2": fsdp2,
         "uneven": uneven,
         "give_up": give_up,
+        "give_up_in_forward": give_up_in_forward,
+        "uneven_micro_batches": uneven_micro_batches,
         "zero2": lambda rank, out: deepspeed_zero(2, out),
         "zero3": lambda rank, out: deepspeed_zero(3, out),
     }

@@ -165,7 +165,7 @@ def test_the_group_runs_the_smallest_host_cap(monkeypatch):
     controller = attached(Settings(seq_high=200, seq_low=100, policy="hysteresis"))
     assert controller.before_forward(256, 256) == 1
     # This rank: all layers, its budget (the default) holds them all, keeps none, has not given up.
-    assert sent == [[LAYERS, -LAYERS, 0, 0]]
+    assert sent == [[LAYERS, -LAYERS, 0, 0, 0, 0, 0]]
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,7 @@ def test_trainer_ddp_ranks_switch_together(tmp_path):
         assert [seq for seq, _ in result["levels"]] == [pair[rank] for pair in LENGTHS]
         assert [level for _, level in result["levels"]] == [0, every, 0, every]
         assert result["step_bytes"] == moved(rank, [0, every, 0, every])
-        assert result["collectives"] == len(LENGTHS)  # one per micro-batch
+        assert result["collectives"] == len(LENGTHS) + 1  # one per micro-batch, and the end's
     # What each policy said alone: only the rank with the long micro-batch asked for offload.
     assert ranks[0]["local"] == [0, every, 0, 0] and ranks[1]["local"] == [0, 0, 0, every]
     assert ranks[0]["parameters"] == ranks[1]["parameters"]
@@ -386,7 +386,7 @@ def test_deepspeed_zero_trainer(tmp_path, stage, deepspeed_comm_op):
         # The ranks agree: both offload at the steps where either has the long micro-batch.
         assert [seq for seq, _ in attached["levels"]] == [pair[rank] for pair in LENGTHS]
         assert [level for _, level in attached["levels"]] == [0, every, 0, every]
-        assert attached["collectives"] == len(LENGTHS)
+        assert attached["collectives"] == len(LENGTHS) + 1  # and the end's
         assert attached["step_bytes"] == moved(rank, [0, every, 0, every])
         # Losses and final parameters are those of the run without autooffload (bit for bit on a CPU).
         assert attached["losses"] == plain["losses"]
@@ -414,3 +414,43 @@ def test_deepspeed_zero_trainer(tmp_path, stage, deepspeed_comm_op):
         assert resumed["warnings"] == []
     assert ranks[0]["attach"]["local"] == [0, every, 0, 0] and ranks[1]["attach"]["local"] == [0, 0, 0, every]
     assert ranks[0]["resumed"]["state"]["total_bytes"] == ranks[0]["attach"]["state"]["total_bytes"]
+
+
+@needs_gloo
+def test_a_rank_giving_up_inside_a_running_forward_tells_at_the_next_micro_batch(tmp_path):
+    """Rank 1 fails inside a forward after its micro-batch's agreement: a tiny T5 in an encoder layer's report (the
+    decoder stack's entry follows in the same forward), a tiny Qwen3 in its pre-forward hook after the agreement
+    (Qwen3Model's entry follows). Before: its notice fired at that inner entry, in the forward already running, and
+    met rank 0's gradient all-reduce (gloo aborted both ranks). Now it is made at the next micro-batch's agreement:
+    every rank finishes every step with the losses and parameters of the run without autooffload."""
+    ranks = run_ranks("give_up_in_forward", tmp_path, timeout_s=300)
+    for name in ("t5", "qwen3"):
+        for result in ranks:
+            plain, run = result[f"{name}_False"], result[f"{name}_True"]
+            assert plain["steps"] == run["steps"] == len(LENGTHS), name
+            assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"], name
+        # Micro-batch 1 agreed, micro-batch 2 agreed before rank 1 failed, micro-batch 3 carried the flag: 3 each.
+        assert ranks[0][f"{name}_True"]["collectives"] == ranks[1][f"{name}_True"]["collectives"] == 3, name
+        (mine,) = ranks[1][f"{name}_True"]["warnings"]
+        where = "a layer call's report" if name == "t5" else "the pre-forward hook"
+        assert f"internal error in {where} (RuntimeError: injected failure on rank 1)" in mine
+        (theirs,) = ranks[0][f"{name}_True"]["warnings"]
+        assert "rank 1 gave up (its own warning says why)" in theirs
+    assert ranks[1]["t5_True"]["failed_at"] == [1]  # an encoder layer
+
+
+@needs_gloo
+def test_ranks_with_different_numbers_of_micro_batches_fail_safe_with_one_warning(tmp_path):
+    """Issue 37, item 4.4: rank 0 runs 3 micro-batches, rank 1 runs 2, under DDP's join() (which trains on uneven
+    inputs by shadowing DDP's collectives on the rank that ran out) and on the bare model (an uneven dataset).
+    Before: rank 0's third agreement met join()'s shadow all-reduce, or rank 1's gather at the end, and gloo aborted
+    both ranks. Now both finish, each with one warning, and no rank waits."""
+    ranks = run_ranks("uneven_micro_batches", tmp_path, timeout_s=180)
+    for case in ("join", "bare"):
+        assert [r[case]["steps"] for r in ranks] == [3, 2]
+        for result in ranks:
+            (warning,) = result[case]["warnings"]
+            assert "the ranks run different numbers of micro-batches" in warning, warning
+    assert "DDP's join()" in ranks[0]["join"]["warnings"][0]
+    assert "while this one has micro-batches left" in ranks[0]["bare"]["warnings"][0]
+    assert "while another had micro-batches left" in ranks[1]["bare"]["warnings"][0]

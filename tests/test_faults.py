@@ -46,8 +46,10 @@ def test_one_process_every_cell_survives_with_identical_results(tmp_path):
     injected = {v["fault"].split(": ", 1)[1].split(" (")[0] for v in verdicts if v["fault"].startswith("entry: ")}
     assert injected == set(faults.entry_points())  # every entry point reached and failed, the rescue included
     assert not [v for v in verdicts if v.get("unreached")]
+    places = {v["fault"].split(": ", 1)[1] for v in verdicts if v["fault"].startswith("step: ")}
+    assert {"the sync engine's pack hook", "the sync engine's unpack hook", "the backward counter"} <= places
     kinds = {v["fault"].split(":")[0] for v in verdicts}
-    assert kinds == {"entry", "probe", "host", "kill"}
+    assert kinds == {"entry", "step", "probe", "host", "kill"}
     (kill,) = [v for v in verdicts if v["fault"] == "kill"]
     assert kill["killed"] and kill["resumed_exactly"] and kill["checkpoint"] == "checkpoint-3"
     assert "moved [0]" not in lines[0]  # the fault-free run offloaded: a fault changes where tensors live
@@ -56,11 +58,21 @@ def test_one_process_every_cell_survives_with_identical_results(tmp_path):
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_two_ranks_a_few_entry_points_fail_on_one_rank(tmp_path):
     """DDP over gloo, rank 1 failing: in a layer's report during the forward, in end_step, at the load of a resumed
-    run's state, and at the end of training; every rank finishes with identical results and the same collectives.
-    (The pre-forward hook and attach: tests/test_distributed.py.)"""
-    only = ("a layer call's report", "end_step", "load", "finish", "nvml-error")
-    verdicts = faults.run_topology(
-        "ddp", tmp_path, quick=True, only=only, log=print, kill=False, timings=("before",), subsets=("last",)
-    )
+    run's state, at the end of training, inside the backward (the sync engine's unpack hook), and the two repros of
+    issue 37: a Qwen3's pre-forward hook after the agreement of the last micro-batch of an accumulation, and a T5's
+    first layer report of that micro-batch (an encoder layer; the decoder stack's entry follows in the same forward).
+    Every rank finishes with identical results and the same collectives. (The pre-forward hook before the agreement
+    and attach: tests/test_distributed.py.)"""
+    primary = faults.Config("ddp", **faults.PRIMARY)
+    last = ("the last micro-batch, forward",)
+    only = ("a layer call's report", "end_step", "load", "finish", "nvml-error", "the sync engine's unpack hook")
+    chosen = [
+        (primary, faults.Plan(only=only, others=True)),
+        (primary, faults.Plan(last, after=("the pre-forward hook",), only=("the pre-forward hook",))),
+        (faults.Config("ddp", model="t5", **faults.PRIMARY), faults.Plan(last, only=("a layer call's report",))),
+    ]
+    verdicts = faults.run_topology("ddp", tmp_path, quick=False, only=None, log=print, kill=False, chosen=chosen)
     assert not failures(verdicts), failures(verdicts)
-    assert len([v for v in verdicts if not v.get("unreached")]) == len(only)
+    assert len([v for v in verdicts if not v.get("unreached")]) == len(only) + 3
+    repros = {(v["model"], v["fault"]) for v in verdicts if v.get("window") == last[0]}
+    assert {("qwen3", "entry: the pre-forward hook (after its body)"), ("t5", "entry: a layer call's report")} <= repros

@@ -96,6 +96,26 @@ def test_cgroup_v1_inside_a_container_whose_mount_root_is_its_own_cgroup(tmp_pat
     assert tightest(found).total == 4 * GIB and "memory.limit_in_bytes" in tightest(found).name
 
 
+def test_cgroup_v1_a_limit_above_the_container_only_memory_stat_names_is_read(tmp_path):
+    """Issue 37, item 4.4: a Kubernetes pod on cgroup v1 limits the pod's cgroup, above the container's, which is
+    all the container mounts: its own ``memory.limit_in_bytes`` says no limit, and only ``memory.stat``'s
+    ``hierarchical_memory_limit`` (the tightest limit of the hierarchy) names the pod's. It was not read: the
+    machine's memory was taken for what the process may use."""
+    proc = cgroup_tree(
+        tmp_path,
+        "4:memory:/kubepods/pod1/ctr\n",
+        ["/kubepods/pod1/ctr {root}/memory rw,nosuid - cgroup cgroup rw,memory"],
+        {
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",
+            "memory/memory.usage_in_bytes": f"{3 * GIB}\n",
+            "memory/memory.stat": f"hierarchical_memory_limit {8 * GIB}\ntotal_inactive_file {GIB}\n",
+        },
+    )
+    found = limits(proc)
+    assert found[1:] == [Limit(f"cgroup v1 hierarchical_memory_limit ({tmp_path}/memory)", 6 * GIB, 8 * GIB)]
+    assert tightest(found).total == 8 * GIB
+
+
 def test_no_limit_is_no_limit_and_an_unreadable_tree_is_the_machine(tmp_path):
     proc = cgroup_tree(
         tmp_path,

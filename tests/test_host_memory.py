@@ -133,8 +133,8 @@ def test_a_long_micro_batchs_idle_buffers_do_not_starve_the_short_ones_after_it(
 def test_a_free_buffer_is_lent_only_where_the_rest_of_the_micro_batch_still_fits_beside_it():
     """Budget 64 pages; a free buffer of 27 pages; the micro-batch expects four inputs of 15 pages (60 pages, what
     the controller's cap allows). Lending the 27-page buffer to the first would leave no room for the fourth (the
-    soak's 256 KiB budget: one input in a few steps stayed on the device). Where the budget holds it, a free buffer
-    of any size is lent (no new buffer to pin)."""
+    soak's 256 KiB budget: one input in a few steps stayed on the device). A free buffer more than twice the request
+    serves it only where no new buffer of its size fits under the budget (a small buffer costs little to pin)."""
     host = Pinning().host(budget_bytes=64 * PAGE)
     host.give(host.take(27 * PAGE, CPU))
     host.expect([15 * PAGE - 100] * 4)
@@ -144,8 +144,30 @@ def test_a_free_buffer_is_lent_only_where_the_rest_of_the_micro_batch_still_fits
     assert [b.nbytes for b in lent] == [15 * PAGE] * 4 and host.held_bytes == 60 * PAGE
     for buffer in lent:
         host.give(buffer)
-    host.expect([2 * PAGE, 2 * PAGE])  # room to spare: the free 15-page buffers serve 2-page inputs
-    assert [host.take(2 * PAGE, CPU).nbytes for _ in range(2)] == [15 * PAGE] * 2 and host.allocations == 5
+    host.expect([2 * PAGE] * 3)  # room for two new 2-page buffers; the third input gets a free 15-page one
+    assert [host.take(2 * PAGE, CPU).nbytes for _ in range(3)] == [2 * PAGE, 2 * PAGE, 15 * PAGE]
+    assert host.allocations == 7 and host.held_bytes == 64 * PAGE
+
+
+def test_a_short_forward_leaves_the_free_buffers_of_a_long_one_for_the_long_forward_after_it():
+    """Issue 37, item 4.1: mode on, a budget of 576 KiB, a step with a 64-token and a 512-token forward before one
+    backward (4 layers, hidden 64, fp32: 16 KiB and 128 KiB per layer input, 576 KiB in all). After an earlier long
+    step the short forward took the long one's free 128 KiB buffers for its 16 KiB inputs, and all 524,288 B of the
+    long forward's inputs stayed on the device; a fresh manager moved everything. Now both do."""
+    net = model()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.train()
+    host = Pinning().host(budget_bytes=576 * 1024)
+    controller = OffloadController(Settings(mode="on"), probe=None, host=host)
+    controller.attach(net)
+    short, long = random_ids(64, batch=1), random_ids(512, batch=1)
+    net(input_ids=long, labels=long).loss.backward()
+    controller.end_step()
+    assert controller.last_step_bytes == expected_bytes(512, batch=1) == 4 * 128 * 1024
+    (net(input_ids=short, labels=short).loss + net(input_ids=long, labels=long).loss).backward()
+    controller.end_step()
+    assert controller.last_step_bytes == expected_bytes(64, batch=1) + expected_bytes(512, batch=1) == 576 * 1024
+    assert controller.stats.short_bytes == 0 and host.held_bytes == 576 * 1024
 
 
 def test_free_buffers_are_released_after_steps_unused():

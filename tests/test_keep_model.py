@@ -289,7 +289,38 @@ def test_the_first_step_with_two_forwards_leaves_room_for_the_first_forwards_who
     assert max(probe.steps) <= HIGH * total, [round(s / (HIGH * total), 3) for s in probe.steps]
     assert kept[1:4] == [LAYERS] * 3  # one forward at a time: every layer keeps
     assert kept[4:6] == [LAYERS, 0]  # the first step with two: the second forward keeps nothing
-    assert kept[-2:] == [2, 2] and controller.planner.keep.alive == 2  # then planned for two: both keep
+    # Then planned for two: both keep (1 and 2 of the 4 layers since the second forward of the first step with two
+    # offloads where the config's estimate of the first one's footprint leaves it no room: issue 37, item 4.2).
+    assert all(kept[-2:]) and controller.planner.keep.alive == 2
+
+
+def test_the_first_step_with_two_forwards_offloads_where_recomputing_the_later_one_is_not_enough():
+    """Issue 37, item 4.2: room for 2.5 kept layers of a one-forward step, steps of one forward then of two. The
+    first forward of the first step with two keeps 2 layers, as a lone forward may; the second, recomputing every
+    layer, still puts the step over memory_high (1.016 x here, plain checkpointing 0.73): it offloads instead."""
+    net = checkpointed(tiny_qwen3(LAYERS, 64, 768, 0, attention_dropout=0.0))
+    plain = counted(net, 64, 0)
+    per_layer = (counted(net, 64, LAYERS) - plain) / LAYERS
+    total = total_for(STATIC, plain, 2.5 * per_layer)
+    probe = GroupProbe(STATIC, total)
+    controller = OffloadController(Settings(recompute="auto", memory_high=HIGH, memory_low=0.5), probe=probe)
+    controller.attach(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    plans = []
+    for forwards in [1, 1, 1, 1, 2, 2]:
+        losses = []
+        for _ in range(forwards):
+            losses.append(probe.forward(net, 64))
+            plans.append((controller.switch.offloaded, controller.switch.kept))
+        probe.backward(sum(losses))
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.end_step()
+    assert max(probe.steps) <= HIGH * total, [round(s / (HIGH * total), 3) for s in probe.steps]
+    assert plans[1:4] == [(0, 2)] * 3  # one forward at a time: 2 of the 2.5 layers there is room for keep
+    assert plans[4] == (0, 2) and plans[5][0] > 0 and plans[5][1] == 0  # the second forward offloads
+    first_with_two = next(r for r in controller.history if len(r.reasons) == 2)
+    assert first_with_two.reasons == ["predicted_fits", "forwards_alive"]
 
 
 # ---- long runs: bounded state, a decision's cost, a miss charged where it happened (issue 31) ----------------

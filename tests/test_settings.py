@@ -1,6 +1,7 @@
 import pytest
 
 from autooffload import AutoOffloadCallback, Settings, SettingsError
+from autooffload.integrations.axolotl import AutoOffloadPlugin
 from autooffload.settings import offload_mode
 
 
@@ -65,9 +66,9 @@ def test_env_overrides_defaults_and_arguments_override_env():
         ),
         (
             {"AUTOOFFLOAD_MEMORY_LOW": "0.95"},
-            r"AUTOOFFLOAD_MEMORY_LOW=0.95 is above AUTOOFFLOAD_MEMORY_HIGH=0.9: the low threshold must be at or below",
+            r"AUTOOFFLOAD_MEMORY_LOW=0.95 is above the default memory_high=0.9: the low threshold must be at or below",
         ),
-        ({"AUTOOFFLOAD_SEQ_LOW": "65536"}, r"AUTOOFFLOAD_SEQ_LOW=65536 is above AUTOOFFLOAD_SEQ_HIGH=32768"),
+        ({"AUTOOFFLOAD_SEQ_LOW": "65536"}, r"AUTOOFFLOAD_SEQ_LOW=65536 is above the default seq_high=32768"),
     ],
 )
 def test_bad_environment_value_fails_at_construction(env, message):
@@ -91,8 +92,27 @@ def test_bad_argument_names_the_argument_not_a_variable_nobody_set():
         AutoOffloadCallback(rescue="yes")
     with pytest.raises(SettingsError, match=r"^argument min_steps=-1 is not allowed"):
         Settings(min_steps=-1)
-    with pytest.raises(SettingsError, match=r"^argument memory_low=0.95 is above AUTOOFFLOAD_MEMORY_HIGH=0.9"):
-        Settings.from_env({}, memory_low=0.95)  # a default is named by the variable that changes it
+    with pytest.raises(SettingsError, match=r"^argument memory_low=0.95 is above the default memory_high=0.9"):
+        Settings.from_env({}, memory_low=0.95)  # a default is named as a default, not as a variable nobody set
+
+
+def test_a_high_threshold_set_alone_takes_its_low_one_with_it():
+    """Issue 37, item 4.3: ``AutoOffloadCallback(seq_high=8192)`` and the axolotl mapping of docs/frameworks.md
+    (``seq_high: 8192``) raised "AUTOOFFLOAD_SEQ_LOW=16384 is above argument seq_high=8192" although no variable was
+    set. A low threshold nobody set follows its high one as the defaults stand (half the length; 0.10 below the
+    fraction); one that was set is kept, and checked."""
+    assert AutoOffloadCallback(seq_high=8192).controller.settings.seq_low == 4096
+    plugin = AutoOffloadPlugin()
+    mapping = {"autooffload": {"mode": "auto", "host_memory": 0.5, "seq_high": 8192}}  # docs/frameworks.md
+    plugin.register(mapping)
+    (callback,) = plugin.add_callbacks_pre_trainer(mapping, None)
+    assert (callback.controller.settings.seq_high, callback.controller.settings.seq_low) == (8192, 4096)
+    assert Settings(seq_high=8192).seq_low == 4096 and Settings(memory_high=0.7).memory_low == 0.6
+    assert Settings.from_env({"AUTOOFFLOAD_SEQ_HIGH": "65536"}).seq_low == 32768
+    assert Settings.from_env({}, memory_high=0.5).memory_low == 0.4
+    assert Settings.from_env({"AUTOOFFLOAD_SEQ_LOW": "100"}, seq_high=8192).seq_low == 100  # set: kept
+    with pytest.raises(SettingsError, match=r"^argument seq_low=10000 is above argument seq_high=8192"):
+        Settings.from_env({}, seq_high=8192, seq_low=10000)
 
 
 def test_each_source_is_named_in_its_error(monkeypatch):

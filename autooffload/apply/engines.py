@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from ..guard import StepFaults
 from .host_memory import HostMemory
 from .offload import LayerInput, OffloadStats, SyncEngine
 from .stream_engine import StreamEngine
@@ -42,10 +43,15 @@ class OffloadEngine(Protocol):
 
 
 def make_engine(
-    name: str, stats: OffloadStats, modules: list[torch.nn.Module], host: HostMemory | None = None
+    name: str,
+    stats: OffloadStats,
+    modules: list[torch.nn.Module],
+    host: HostMemory | None = None,
+    faults: StepFaults | None = None,
 ) -> OffloadEngine:
+    """The engine ``name`` (``faults``: where its hooks' failures are noted, :class:`~autooffload.guard.StepFaults`)."""
     if name == "sync":
-        return SyncEngine(stats, host)
+        return SyncEngine(stats, host, faults)
     if name == "stream":
-        return StreamEngine(stats, modules=modules, pool=HostPool(host))
+        return StreamEngine(stats, modules=modules, pool=HostPool(host), faults=faults)
     raise ValueError(f"unknown offload engine {name!r}")

@@ -4,6 +4,10 @@
 They are closures, not partials, on purpose: torch.compile guards a called function by its code object, so
 swapping between two closures is seen (one recompile per variant, then cached), while a swap between two
 ``functools.partial`` objects is not guarded at all and would silently keep running the first one.
+
+What they do besides torch's checkpoint (count the call, pick what moves, open the engine's hooks) runs shielded
+(:class:`~autooffload.guard.StepFaults`): where it fails, the call runs as plain checkpointing would, and the next
+entry point gives up. The layer itself runs outside the shield: its own errors are the step's.
 """
 
 from __future__ import annotations
@@ -14,15 +18,21 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..guard import StepFaults, in_step, nothing
 from ..observe.ours import register
 from ..observe.targets import checkpoint_wrapper_type, replaced, torch_checkpoint_kwargs
 from ..observe.wrapped import rewrap, wrapper_chain
 from .engines import OffloadEngine
 from .forward import ForwardState, LayerCalls
-from .offload import OffloadStats
+from .offload import OffloadStats, kept_hooks
+
+COUNT = in_step("a layer call's count")
+SETUP = in_step("an offloading layer call's setup")
 
 
-def plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], Any] | None = None) -> Callable[..., Any]:
+def plain_function(
+    kwargs: dict[str, Any], counted: Callable[[tuple], Any] | None = None, faults: StepFaults | None = None
+) -> Callable[..., Any]:
     if counted is None:
 
         def checkpoint_plain(function, *args, **call_kwargs):
@@ -30,8 +40,10 @@ def plain_function(kwargs: dict[str, Any], counted: Callable[[tuple], Any] | Non
 
         return checkpoint_plain
 
+    count = torch.compiler.disable((faults or StepFaults()).shield(COUNT, counted, nothing))
+
     def checkpoint_plain(function, *args, **call_kwargs):
-        counted(args)
+        count(args)
         return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_plain
@@ -43,10 +55,6 @@ def _packing(stats: OffloadStats, position: int) -> None:
     stats.layer = position
 
 
-def _kept(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 def eager_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``'s own frame runs eagerly under torch.compile, what it calls is compiled: without it dynamo
     traces into the function up to the saved-tensor hooks and resumes after them in fragments, and guards on the
@@ -55,6 +63,9 @@ def eager_frame(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
+    """A container's function: its call i runs layer i's. Unshielded: it reads a slot and counts, nothing more, and
+    torch.compile traces it into the model's graph."""
+
     def checkpoint_layer_call(function, *args, **call_kwargs):
         return calls.next()(function, *args, **call_kwargs)
 
@@ -68,21 +79,27 @@ def offload_function(
     forward: ForwardState,
     position: int,
     stats: OffloadStats,
+    faults: StepFaults | None = None,
 ) -> Callable[..., Any]:
     counted = forward.counter(position)
+
+    def setup(args: tuple) -> torch.autograd.graph.saved_tensors_hooks:
+        call = counted(args)
+        inputs = forward.claim(call.moving)
+        if not inputs and not call.deferred:
+            return kept_hooks()
+        _packing(stats, position)
+        return engine.hooks(last, inputs, call.deferred)
+
+    hooks = torch.compiler.disable((faults or StepFaults()).shield(SETUP, setup, lambda args: kept_hooks()))
 
     # Under saved-tensor hooks even when nothing of the call moves (its input moved already, it passes none
     # positionally, or it is an outer checkpoint's recompute): that recompute runs this call again, where what
     # moves may differ from its forward, and it must see the same saves as its forward did, none. Hooks that keep
-    # every tensor as it is then, so that the engine opens no region that would break its prefetch chain.
+    # every tensor as it is then, so that the engine opens no region that would break its prefetch chain; the same
+    # where setting the call up failed (plain checkpointing).
     def checkpoint_offload(function, *args, **call_kwargs):
-        call = counted(args)
-        inputs = forward.claim(call.moving)
-        if not inputs and not call.deferred:
-            with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-                return checkpoint(function, *args, **kwargs, **call_kwargs)
-        _packing(stats, position)
-        with engine.hooks(last, inputs, call.deferred):
+        with hooks(args):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
     return checkpoint_offload

@@ -8,8 +8,15 @@ call. A call that carries no tokens while a watched entry lies inside it (TRL's 
 top model through a redirection, its loss function as the forward, and the backbone inside it with the tokens)
 is passed by: ``enter`` returns False, and the entry inside decides where the tokens are. With
 ``recompute="auto"``, a hook on the last trainable parameter counts the backwards, so that the keep planner knows
-how many forwards were alive together. Before the controller hears of a training micro-batch (in train mode, under
-grad), ``entered`` does: the ranks' agreement is then due, whatever the controller does.
+how many forwards were alive together.
+
+The call that decides is where the ranks make their agreement (:mod:`autooffload.distributed`): ``deciding(True)``
+before ``enter`` for a call in train mode under grad, ``deciding(False)`` once it returned, so the agreement is due
+exactly while a training micro-batch is being decided. A controller that gives up hands the hooks over
+(:meth:`ForwardHooks.hand_over`) to what then stands at that point (:class:`autooffload.fallback.RankNotice`): the
+same modules, the same call that decides, so a rank that gave up makes the collective it owes where the other ranks
+make theirs, never inside a forward already running. Given up inside ``enter``, the call being decided is offered to
+the new ``enter`` at once.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults
 from ..observe.stacks import Stack
 from .keep import count_backwards
 
@@ -31,9 +39,10 @@ class ForwardHooks:
     None for the model itself (the controller's planned stacks, whatever they are when it is called);
     ``deferrable``: a watched entry lies inside ``module``, so a call without tokens may leave the decision to it
     (``enter`` returns False). ``on_backward``: called once per backward that reaches the model's last trainable
-    parameter; ``entered``: called before ``enter`` for a call in train mode under grad (a training micro-batch),
-    and must not raise (a call passed by and the entry inside it both call it: it marks the agreement due);
-    ``leave(raised)``: called when the call that ``enter`` took ends (its forward ran, or raised).
+    parameter; ``deciding(True)`` and ``deciding(False)``: around ``enter`` for a call in train mode under grad (a
+    training micro-batch: a call passed by and the entry inside it each), and must not raise;
+    ``leave(raised)``: called when the call that ``enter`` took ends (its forward ran, or raised); ``faults``: where
+    the backward counter's failures are noted (:class:`~autooffload.guard.StepFaults`).
     :meth:`follow` watches the entries of a layout read again (a trainer that reinstalled checkpointing may plan
     other stacks)."""
 
@@ -43,22 +52,29 @@ class ForwardHooks:
         entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]],
         enter: Enter,
         on_backward: Callable[[], None] | None = None,
-        entered: Callable[[], None] | None = None,
+        deciding: Callable[[bool], None] | None = None,
         leave: Callable[[bool], None] | None = None,
+        faults: StepFaults | None = None,
     ) -> None:
         self.active: torch.nn.Module | None = None  # the module whose call decided the running micro-batch
         self.model = model
         self._enter = enter
-        self._entered = entered
+        self._deciding = deciding
         self._leave = leave
         self.stacks: dict[torch.nn.Module, Sequence[Stack]] = {}  # each entry's stacks (the model: None)
         self.deferrable: dict[torch.nn.Module, bool] = {}  # whether a watched entry lies inside (the model too)
         self._handles = self._watch(model)
         self._entry_handles: list[Any] = []
         self.follow(entries)
-        backward = count_backwards(model, on_backward) if on_backward is not None else None
-        if backward is not None:
-            self._handles.append(backward)
+        self._backward = count_backwards(model, on_backward, faults) if on_backward is not None else None
+
+    def hand_over(self, enter: Enter) -> None:
+        """From now on ``enter`` decides each call, and nothing else of the old owner runs (its ``leave``, its
+        backward counter): the modules watched, the call running and ``deciding`` stay."""
+        self._enter, self._leave = enter, None
+        if self._backward is not None:
+            self._backward.remove()
+            self._backward = None
 
     def follow(self, entries: Sequence[tuple[torch.nn.Module, Sequence[Stack]]]) -> None:
         """Watch ``entries`` (and no other entry) from the next call on."""
@@ -75,13 +91,23 @@ class ForwardHooks:
     def _watch(self, module: torch.nn.Module) -> list[Any]:
         @torch.compiler.disable
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.active is None:
-                self.active = entered
-                if self._entered is not None and entered.training and torch.is_grad_enabled():
-                    self._entered()
-                deferrable = self.deferrable.get(entered, False)
-                if self._enter(entered, self.stacks.get(entered), args, kwargs, deferrable) is False:
-                    self.active = None
+            if self.active is not None:
+                return
+            self.active = entered
+            stacks, deferrable = self.stacks.get(entered), self.deferrable.get(entered, False)
+            deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
+            if deciding is not None:
+                deciding(True)
+            try:
+                enter = self._enter
+                decided = enter(entered, stacks, args, kwargs, deferrable)
+                if self._enter is not enter:  # handed over while deciding (the controller gave up): offered again
+                    decided = self._enter(entered, stacks, args, kwargs, deferrable)
+            finally:
+                if deciding is not None:
+                    deciding(False)
+            if decided is False:
+                self.active = None
 
         @torch.compiler.disable
         def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -96,10 +122,11 @@ class ForwardHooks:
         ]
 
     def remove(self) -> None:
-        for handle in self._handles + self._entry_handles:
+        backward = [self._backward] if self._backward is not None else []
+        for handle in self._handles + self._entry_handles + backward:
             handle.remove()
         self._handles, self._entry_handles, self.stacks, self.deferrable = [], [], {}, {}
-        self.active = None
+        self.active, self._backward = None, None
 
 
 def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

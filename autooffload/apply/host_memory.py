@@ -10,8 +10,11 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   beside what the micro-batch still expects to ask for (the controller says before each forward,
   :meth:`HostMemory.expect`); otherwise a new buffer of the request's size is taken, the larger free ones
   released first to make room. After a long micro-batch, short ones would otherwise borrow its large buffers one
-  input each, and the budget would be spent on a few of their inputs while the rest stayed on the device. Where
-  nobody says what a micro-batch expects, only a buffer at most ``SLACK`` times the request is lent.
+  input each, and the budget would be spent on a few of their inputs while the rest stayed on the device. A free
+  buffer more than ``SLACK`` times the request is lent only where no new buffer of the request's size fits under
+  the budget (or nobody said what the micro-batch expects: then never): a small new buffer costs little to pin,
+  while a long micro-batch's buffer lent to a short one's input may be what a later forward of the same step
+  needs (a short and a long forward before one backward: the long one's inputs stayed on the device).
 - **Budget.** The bytes held (in use and free) never exceed ``budget_bytes``: a request that would is
   first met by releasing free buffers (the oversized ones first, largest first, then the smaller ones), and
   refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
@@ -221,11 +224,12 @@ class HostMemory:
         """A buffer of at least ``nbytes`` for a tensor on ``device``; None if the budget or the host is short.
 
         The smallest free buffer that fits serves it where the budget holds that buffer beside what the micro-batch
-        still expects (:meth:`expect`; without it, only a buffer at most ``SLACK`` times the request); otherwise a
-        new buffer of the request's size, room under the budget made by releasing free buffers, the oversized ones
-        first; a larger free one is lent still where no new buffer can be had (the host is short, or allocating
-        failed). Lent to a short micro-batch's small input, a long one's buffer would hold the budget its other
-        inputs need."""
+        still expects (:meth:`expect`), if it is at most ``SLACK`` times the request or, larger, where no new buffer
+        of the request's size fits under the budget (and :meth:`expect` was called); otherwise a new buffer of the
+        request's size, room under the budget made by releasing free buffers, the oversized ones first; a larger
+        free one is lent still where no new buffer can be had (the host is short, or allocating failed). Lent to a
+        short micro-batch's small input, a long one's buffer would hold the budget its other inputs need, or a
+        long forward's after it in the same step."""
         with self._lock:
             size, self.takes = page_round(nbytes), self.takes + 1
             self._wait_for_prepared(nbytes, device)
@@ -233,7 +237,8 @@ class HostMemory:
             free = self._free.get(device, [])
             fits = sorted((b for b in free if b.nbytes >= nbytes), key=_size)
             budget = self.budget_bytes
-            snug = fits and (self._told or fits[0].nbytes <= SLACK * size)
+            room = budget is None or self.held_bytes + size <= budget  # a new buffer fits without a release
+            snug = fits and (fits[0].nbytes <= SLACK * size or (self._told and not room))
             if snug and (budget is None or self.lent_bytes + fits[0].nbytes + expected <= budget):
                 return self._lend(fits[0])
             available, total = self.memory()
@@ -287,12 +292,14 @@ class HostMemory:
             f"{setting} over {ranks_per_node()} rank(s) of the node, set by {self.budget_source})"
         )
 
-    def give(self, buffer: HostBuffer) -> None:
-        """Return a buffer; only later copies on its device's stream may touch it (the caller's rule)."""
+    def give(self, buffer: HostBuffer, drop: bool = False) -> None:
+        """Return a buffer; only later copies on its device's stream may touch it (the caller's rule). ``drop``:
+        release it at once (a return that failed: the buffer is not lost to the budget)."""
         with self._lock:
-            buffer.last_step = self.step
-            self.lent_bytes -= buffer.nbytes
+            buffer.last_step, self.lent_bytes = self.step, self.lent_bytes - buffer.nbytes
             self._free.setdefault(buffer.device, []).append(buffer)
+            if drop:
+                self._release([buffer], None)
 
     def end_step(self) -> None:
         """An optimizer step ended: release the free buffers unused for ``release_after`` steps and, where the host

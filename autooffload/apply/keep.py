@@ -24,11 +24,16 @@ trainable parameter that fires once its gradient is accumulated, once per backwa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ..guard import StepFaults, in_step, nothing
 from ..observe.saved import SavedBytesCounter, storage_key, tensors_in
+
+START = in_step("a measured layer call's start")
+REPORT = in_step("a measured layer call's report")
+BACKWARD = in_step("the backward counter")
 
 
 def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) -> Callable[..., Any]:
@@ -47,34 +52,73 @@ def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) ->
 Report = Callable[[int, int], None]
 
 
+class _Measure(NamedTuple):
+    """A measured call: where its count goes, the storages it does not count, the device its tensors are on."""
+
+    report: Report
+    excluded: set[tuple[torch.device, int]]
+    device: str
+
+
+def _measures(
+    excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report], faults: StepFaults
+) -> tuple[Callable[..., _Measure | None], Callable[[_Measure, bool], SavedBytesCounter | None], Callable[..., None]]:
+    """The shielded steps of a measured call (where one fails, the call runs unmeasured, :mod:`autooffload.guard`):
+    ``start(function, args, kwargs)``, in the forward; ``counter(measure, hold)``, where the layer runs (the
+    saved-tensor hooks around it then are those the counter hands every tensor on to); ``end(measure, counter)``."""
+
+    def start(function: Any, args: tuple, call_kwargs: dict) -> _Measure:
+        report = reporter()
+        tensors = list(tensors_in((function, args, call_kwargs)))
+        inputs = {key for key in map(storage_key, tensors) if key is not None}
+        return _Measure(report, excluded() | inputs, tensors[0].device.type if tensors else "cpu")
+
+    def counter(measure: _Measure, hold: bool) -> SavedBytesCounter:
+        return SavedBytesCounter(measure.excluded, hold=hold, faults=faults)
+
+    def end(measure: _Measure, counter: SavedBytesCounter) -> None:
+        measure.report(counter.bytes, autocast_bytes(measure.device))
+
+    return (
+        torch.compiler.disable(faults.shield(START, start, nothing)),
+        torch.compiler.disable(faults.shield(START, counter, nothing)),
+        torch.compiler.disable(faults.shield(REPORT, end, nothing)),
+    )
+
+
 def measuring_keep_function(
     excluded: Callable[[], set[tuple[torch.device, int]]],
     reporter: Callable[[], Report],
     plain: Callable[..., Any] | None = None,
     state: Any = None,
+    faults: StepFaults | None = None,
 ) -> Callable[..., Any]:
     """The keep rung that also counts what the layer saved beyond ``excluded()`` (parameters, buffers) and its
     inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run; ``report`` is
     ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to). Retired,
     ``plain`` checkpointing, as :func:`keep_function`."""
+    start, count, end = _measures(excluded, reporter, faults or StepFaults())
 
     def checkpoint_keep_measured(function, *args, **call_kwargs):
         if plain is not None and state.retired:
             return plain(function, *args, **call_kwargs)
-        report = reporter()
-        tensors = list(tensors_in((function, args, call_kwargs)))
-        inputs = {key for key in map(storage_key, tensors) if key is not None}
-        counter = SavedBytesCounter(excluded() | inputs)
+        measure = start(function, args, call_kwargs)
+        counter = count(measure, False) if measure is not None else None
+        if counter is None:
+            return function(*args, **call_kwargs)
         with counter:
             output = function(*args, **call_kwargs)
-        report(counter.bytes, autocast_bytes(tensors[0].device.type if tensors else "cpu"))
+        end(measure, counter)
         return output
 
     return checkpoint_keep_measured
 
 
 def measuring_plain_function(
-    plain: Callable[..., Any], excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report]
+    plain: Callable[..., Any],
+    excluded: Callable[[], set[tuple[torch.device, int]]],
+    reporter: Callable[[], Report],
+    faults: StepFaults | None = None,
 ) -> Callable[..., Any]:
     """Plain checkpointing (``plain``) that also counts what the layer would keep without it, and reports it as
     the measuring keep function does: inside the checkpoint, the layer's first forward with gradients on (the
@@ -83,21 +127,24 @@ def measuring_plain_function(
     cost is then known before it is ever kept. ``report`` is asked of ``reporter`` at the call, in the forward:
     a reentrant recompute runs in the backward, after later forwards (two forwards before one backward), and its
     count belongs to the forward that called the layer."""
+    start, count, end = _measures(excluded, reporter, faults or StepFaults())
 
     def checkpoint_plain_measured(function, *args, **call_kwargs):
-        report = reporter()
-        tensors = list(tensors_in((function, args, call_kwargs)))
-        inputs = {key for key in map(storage_key, tensors) if key is not None}
+        measure = start(function, args, call_kwargs)
+        if measure is None:
+            return plain(function, *args, **call_kwargs)
         done = []
 
         def counted(*inner_args, **inner_kwargs):
             if done or not torch.is_grad_enabled():
                 return function(*inner_args, **inner_kwargs)
             done.append(True)
-            counter = SavedBytesCounter(excluded() | inputs, hold=True)
+            counter = count(measure, True)
+            if counter is None:
+                return function(*inner_args, **inner_kwargs)
             with counter:
                 output = function(*inner_args, **inner_kwargs)
-            report(counter.bytes, autocast_bytes(tensors[0].device.type if tensors else "cpu"))
+            end(measure, counter)
             return output
 
         return plain(counted, *args, **call_kwargs)
@@ -115,13 +162,15 @@ def autocast_bytes(device_type: str) -> int:
         return 0
 
 
-def count_backwards(model: torch.nn.Module, on_backward: Callable[[], None]) -> Any:
+def count_backwards(model: torch.nn.Module, on_backward: Callable[[], None], faults: StepFaults | None = None) -> Any:
     """Call ``on_backward()`` once per backward that reaches the model's last trainable parameter (a hook fired
-    after its gradient is accumulated); returns the hook's handle, or None when nothing is trainable."""
+    after its gradient is accumulated, shielded: ``faults``); returns the hook's handle, or None when nothing is
+    trainable."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         return None
+    counted = (faults or StepFaults()).shield(BACKWARD, on_backward, nothing)
     try:
-        return trainable[-1].register_post_accumulate_grad_hook(lambda parameter: on_backward())
+        return trainable[-1].register_post_accumulate_grad_hook(lambda parameter: counted())
     except (RuntimeError, AttributeError):  # a parameter kind without the hook
         return None

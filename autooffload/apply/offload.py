@@ -20,8 +20,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..guard import ModifiedInPlace, StepFaults, in_step
 from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
+
+PACK = in_step("the sync engine's pack hook")
+UNPACK = in_step("the sync engine's unpack hook")
+RETURN = in_step("a host buffer's return")
 
 
 @dataclasses.dataclass
@@ -77,45 +82,109 @@ def storage_keys(layer_input: LayerInput) -> set:
 class _Loan:
     """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor."""
 
-    __slots__ = ("buffer", "host")
+    __slots__ = ("buffer", "faults", "host")
 
-    def __init__(self, host: HostMemory, buffer: HostBuffer) -> None:
-        self.host, self.buffer = host, buffer
+    def __init__(self, host: HostMemory, buffer: HostBuffer, faults: StepFaults) -> None:
+        self.host, self.buffer, self.faults = host, buffer, faults
 
     def __del__(self) -> None:
-        self.host.give(self.buffer)
+        self.faults.shield(RETURN, self.host.give, lambda buffer: self.host.give(buffer, drop=True))(self.buffer)
+
+
+class SavedVersion:
+    """What autograd checks of a saved tensor and saved-tensor hooks skip: its version when it was saved. The
+    backward raises (:class:`~autooffload.guard.ModifiedInPlace`) where the tensor was modified in place since, as
+    it does without hooks; held weakly (a tensor moved to host memory must be free to go), so one modified and then
+    let go of before the backward passes unseen."""
+
+    __slots__ = ("shape", "source", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.version = tuple(tensor.shape), _version(tensor)
+        self.source: Callable[[], torch.Tensor | None]
+        try:
+            self.source = weakref.ref(tensor)
+        except TypeError:  # a tensor kind without weak references: not checked
+            self.source = lambda: None
+
+    def check(self) -> None:
+        tensor = self.source()
+        if tensor is not None:
+            _check(tensor, self.version, self.shape)
+
+
+def _check(tensor: torch.Tensor, version: int | None, shape: tuple) -> None:
+    now = _version(tensor)
+    if version is not None and now is not None and now != version:
+        raise ModifiedInPlace(shape, now, version)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (None where it has none: an inference tensor, some subclasses)."""
+    try:
+        return tensor._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _held(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    return tensor, _version(tensor)
+
+
+def _released(held: tuple[torch.Tensor, int | None]) -> torch.Tensor:
+    tensor, version = held
+    _check(tensor, version, tuple(tensor.shape))
+    return tensor
+
+
+def kept_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep every tensor as it is, and check its version as autograd would."""
+    return torch.autograd.graph.saved_tensors_hooks(_held, _released)
 
 
 class _Saved:
-    """A packed tensor: on the device (``loan`` None) or in a host buffer. A deferred one may move later, when the
-    forward ends (:meth:`SyncEngine.settle`), so it is mutable."""
+    """A packed tensor: on the device (``loan`` None) or in a host buffer, and the version it was saved at (checked
+    when it is unpacked). A deferred one may move later, when the forward ends (:meth:`SyncEngine.settle`), so it is
+    mutable."""
 
-    __slots__ = ("__weakref__", "device", "loan", "tensor")
+    __slots__ = ("__weakref__", "device", "loan", "saved", "tensor")
 
-    def __init__(self, device: torch.device, tensor: torch.Tensor, loan: _Loan | None = None) -> None:
-        self.device, self.tensor, self.loan = device, tensor, loan
+    def __init__(self, tensor: torch.Tensor, stored: torch.Tensor | None = None, loan: _Loan | None = None) -> None:
+        self.device, self.saved = tensor.device, SavedVersion(tensor)
+        self.tensor, self.loan = (tensor if stored is None else stored), loan
+
+    @staticmethod
+    def kept(tensor: torch.Tensor) -> _Saved:
+        """``tensor`` kept where it is, as plain checkpointing keeps it (a pack hook's fallback)."""
+        return _Saved(tensor)
+
+    def restored(self) -> torch.Tensor:
+        """The tensor back on its device by the plainest way (an unpack hook's fallback): a copy of a host one."""
+        if self.loan is None:
+            return self.tensor if self.tensor.device == self.device else self.tensor.to(self.device)
+        return self.tensor.to(self.device, copy=True)
 
 
-def _to_host(tensor: torch.Tensor, stats: OffloadStats, host: HostMemory) -> _Saved:
+def _to_host(tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults) -> _Saved:
     """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it."""
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
         stats.add(nbytes)
-        return _Saved(tensor.device, tensor)
+        return _Saved(tensor)
     if tensor.is_sparse or not tensor.is_contiguous():
         stats.add(nbytes)
-        return _Saved(tensor.device, tensor.to("cpu", copy=True))
+        return _Saved(tensor, tensor.to("cpu", copy=True))
     buffer = host.take(nbytes, tensor.device)
     if buffer is None:
         stats.short(nbytes)
-        return _Saved(tensor.device, tensor)
+        return _Saved(tensor)
     stats.add(nbytes)
     view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
     # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the source's
     # block only for work queued after it on that same stream, so freeing it is safe. The buffer is written
     # again only by a later pack, queued on that stream after this unpack's copy.
     view.copy_(tensor, non_blocking=buffer.pinned)
-    return _Saved(tensor.device, view, _Loan(host, buffer))
+    return _Saved(tensor, view, _Loan(host, buffer, faults))
 
 
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -125,7 +194,8 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
     it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning) or stands for the
     host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device and goes to
-    ``defer``, for :meth:`SyncEngine.settle` to move when the forward ends.
+    ``defer``, for :meth:`SyncEngine.settle` to move when the forward ends. Both hooks run shielded (``faults``,
+    :mod:`autooffload.guard`): a pack that fails keeps its tensor on the device, an unpack that fails copies it back.
     """
 
     def __init__(
@@ -135,7 +205,9 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         layer_input: LayerInput = None,
         deferred: Sequence[torch.Tensor] = (),
         defer: Callable[[tuple | None, _Saved], None] | None = None,
+        faults: StepFaults | None = None,
     ) -> None:
+        faults = faults if faults is not None else StepFaults()
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
         filtered, only, later = layer_input is not None, storage_keys(layer_input), storage_keys(deferred)
@@ -143,13 +215,14 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         def pack(tensor: torch.Tensor) -> _Saved:
             key = storage_key(tensor)
             if filtered and key not in only:
-                saved = _Saved(tensor.device, tensor)
+                saved = _Saved(tensor)
                 if key in later and defer is not None:
                     defer(key, saved)
                 return saved
-            return _to_host(tensor, stats, host)
+            return _to_host(tensor, stats, host, faults)
 
         def unpack(saved: _Saved) -> torch.Tensor:
+            saved.saved.check()
             if saved.loan is None:
                 tensor = saved.tensor
                 return tensor if tensor.device == saved.device else tensor.to(saved.device)
@@ -157,7 +230,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             restored.copy_(saved.tensor, non_blocking=saved.loan.buffer.pinned)
             return restored
 
-        super().__init__(pack, unpack)
+        super().__init__(faults.shield(PACK, pack, _Saved.kept), faults.shield(UNPACK, unpack, _Saved.restored))
 
 
 class SyncEngine:
@@ -165,16 +238,17 @@ class SyncEngine:
     of the tensors it saves, only the storages of the layer's inputs move (all of them when none is named), and
     those of its deferred tensors when the forward ends, if they are its own (:meth:`settle`)."""
 
-    def __init__(self, stats: OffloadStats, host: HostMemory | None = None) -> None:
+    def __init__(self, stats: OffloadStats, host: HostMemory | None = None, faults: StepFaults | None = None) -> None:
         self.stats = stats
         self.host = host if host is not None else HostMemory()
+        self.faults = faults if faults is not None else StepFaults()
         # This forward's deferred saves, weakly (one autograd let go of has nothing left to move), with their layer.
         self.pending: list[tuple[tuple | None, weakref.ref, int | None]] = []
 
     def hooks(
         self, last: bool, layer_input: LayerInput = None, deferred: Sequence[torch.Tensor] = ()
     ) -> HostOffloadHooks:
-        return HostOffloadHooks(self.stats, self.host, layer_input, deferred, self._defer)
+        return HostOffloadHooks(self.stats, self.host, layer_input, deferred, self._defer, self.faults)
 
     def _defer(self, key: tuple | None, saved: _Saved) -> None:
         # Through the engine, not a list the hooks hold: autograd keeps a pack hook while its saves live, and a list
@@ -192,5 +266,5 @@ class SyncEngine:
             saved = ref() if key in keys else None
             if saved is not None and saved.loan is None:
                 self.stats.layer = layer
-                moved = _to_host(saved.tensor, self.stats, self.host)
+                moved = _to_host(saved.tensor, self.stats, self.host, self.faults)
                 saved.tensor, saved.loan = moved.tensor, moved.loan

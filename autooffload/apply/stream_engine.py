@@ -61,11 +61,17 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults, in_step, nothing
 from ..observe.saved import storage_key
-from .offload import LayerInput, OffloadStats, storage_keys
+from .host_memory import cuda_drain
+from .offload import LayerInput, OffloadStats, SavedVersion, storage_keys
 from .streams import HostPool, Streams
 
 MIN_BYTES = 1024
+PACK = in_step("the stream engine's pack hook")
+UNPACK = in_step("the stream engine's unpack hook")
+REGION_END = in_step("the stream engine's region end")
+COPY_END = in_step("the stream engine's host copy end")
 
 
 class _Region:
@@ -122,24 +128,50 @@ class _HostCopy:
         dtype, size, stride, offset = layout
         return torch.empty(0, dtype=dtype, device=self.device).set_(self.resident, offset, size, stride)
 
+    def restored(self, layout: tuple) -> torch.Tensor:
+        """The saved tensor on the device by the plainest way (an unpack hook's fallback): the device drained, so
+        that its copy to the host is done, then a copy back."""
+        cuda_drain(self.device)
+        storage = self.buffer[: self.nbytes].to(self.device, copy=True).untyped_storage()
+        dtype, size, stride, offset = layout
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+
     def __del__(self) -> None:
+        self.engine.faults.shield(COPY_END, self._end, self._dropped)()
+
+    def _end(self) -> None:
         if self.pending is not None:
             _target, ready, compute = self.pending
             self.engine.streams.wait(compute, ready)
         self.engine.pool.give(self.buffer, self.key)
 
+    def _dropped(self) -> None:
+        """The end failed: the buffer is released at once (its device drained first), not lost to the budget."""
+        self.engine.pool.give(self.buffer, self.key, drop=True)
+
 
 class _Packed:
-    __slots__ = ("__weakref__", "copy", "layout", "region", "tensor")
+    """A saved tensor: on the device (``tensor``) or in a host copy (``copy``, its ``layout`` there), and the version
+    of ``source`` it was saved at (checked when it is unpacked)."""
+
+    __slots__ = ("__weakref__", "copy", "layout", "region", "saved", "tensor")
 
     def __init__(
         self,
         region: _Region,
-        tensor: torch.Tensor | None = None,
+        source: torch.Tensor,
         copy: _HostCopy | None = None,
         layout: tuple | None = None,
     ) -> None:
-        self.region, self.tensor, self.copy, self.layout = region, tensor, copy, layout
+        self.region, self.saved, self.copy, self.layout = region, SavedVersion(source), copy, layout
+        self.tensor = source if copy is None else None
+
+    def restored(self) -> torch.Tensor:
+        """The saved tensor by the plainest way (an unpack hook's fallback)."""
+        if self.copy is None or self.layout is None:
+            assert self.tensor is not None
+            return self.tensor
+        return self.copy.restored(self.layout)
 
 
 class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -157,24 +189,30 @@ class _RegionHooks(torch.autograd.graph.saved_tensors_hooks):
         def pack(tensor: torch.Tensor) -> _Packed:
             key = storage_key(tensor)
             if filtered and key not in only:
-                packed = _Packed(region, tensor=tensor)
+                packed = _Packed(region, tensor)
                 if key in later:
                     engine.pending.append((key, weakref.ref(packed), engine.stats.layer))
                 return packed
             return engine._pack(tensor, region, keep)
 
-        super().__init__(pack, engine._unpack)
+        def kept(tensor: torch.Tensor) -> _Packed:
+            return _Packed(region, tensor)
+
+        faults = engine.faults
+        super().__init__(faults.shield(PACK, pack, kept), faults.shield(UNPACK, engine._unpack, _Packed.restored))
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
-        self.engine._close_region(self.region)
+        self.engine.faults.shield(REGION_END, self.engine._close_region, nothing)(self.region)
 
 
 class StreamEngine:
     """Saved-tensor hooks per checkpointed layer that overlap offload copies with compute (module docs).
 
     ``streams`` and ``pool`` are the device and host sides (replaceable in tests); ``modules``: whose
-    parameters and registered buffers are never offloaded (nor any other parameter, by its type).
+    parameters and registered buffers are never offloaded (nor any other parameter, by its type); ``faults``: where
+    its hooks' failures are noted (:class:`~autooffload.guard.StepFaults`; a pack that fails keeps its tensor on the
+    device, an unpack that fails copies it back once the device is drained).
     """
 
     def __init__(
@@ -185,8 +223,10 @@ class StreamEngine:
         pool: HostPool | None = None,
         min_bytes: int = MIN_BYTES,
         modules: Iterable[torch.nn.Module] = (),
+        faults: StepFaults | None = None,
     ) -> None:
         self.stats = stats
+        self.faults = faults if faults is not None else StepFaults()
         self.streams = streams if streams is not None else Streams()
         self.pool = pool if pool is not None else HostPool()
         self.min_bytes = min_bytes
@@ -292,8 +332,8 @@ class StreamEngine:
     def _pack(self, tensor: torch.Tensor, region: _Region, keep: bool) -> _Packed:
         moved = None if keep else self._move(tensor, region)
         if moved is None:
-            return _Packed(region, tensor=tensor)
-        return _Packed(region, copy=moved[0], layout=moved[1])
+            return _Packed(region, tensor)
+        return _Packed(region, tensor, moved[0], moved[1])
 
     def _move(self, tensor: torch.Tensor, region: _Region) -> tuple[_HostCopy, tuple] | None:
         """``tensor``'s host copy in ``region`` (started now unless a save of its storage started it) and its layout
@@ -329,6 +369,7 @@ class StreamEngine:
         return _HostCopy(self, lease, nbytes, device)
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
+        packed.saved.check()
         region = packed.region
         first = not region.unpacked
         if first:

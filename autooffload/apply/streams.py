@@ -87,6 +87,7 @@ class HostPool:
         buffer = self.host.take(nbytes, device)
         return None if buffer is None else (buffer.tensor, buffer)
 
-    def give(self, tensor: torch.Tensor, key: HostBuffer) -> None:
-        """Return a buffer. Only copies on its device's copy stream touch it again, so they are ordered."""
-        self.host.give(key)
+    def give(self, tensor: torch.Tensor, key: HostBuffer, drop: bool = False) -> None:
+        """Return a buffer. Only copies on its device's copy stream touch it again, so they are ordered. ``drop``:
+        release it at once (its device drained first)."""
+        self.host.give(key, drop)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults, in_step
 from ..observe.ours import register
 from ..observe.saved import parameter_storages
 from ..observe.targets import CheckpointTarget, Foreign, planned_layers
@@ -47,6 +48,7 @@ from .offload import OffloadStats
 
 # Plans in a row without eager-frame functions before dynamo gets the model's frames back (see _give_frames_back).
 RESUME_AFTER = 8
+RESTART = in_step("a container's restart")
 
 
 def _slot_module(slot: Any) -> torch.nn.Module:
@@ -81,7 +83,9 @@ class CheckpointSwitch:
     modules whose functions it cannot steer (a wrapper around one of its own: once it is gone, the layer is read
     again and steered); ``frames``: given where the model runs under torch.compile, whose functions then take the
     forms that cost least there (module docs), and its frames are given back to dynamo when plans without
-    eager-frame functions follow one with them (:class:`~autooffload.apply.compile_guard.CompiledFrames`).
+    eager-frame functions follow one with them (:class:`~autooffload.apply.compile_guard.CompiledFrames`);
+    ``faults``: where its functions' and engine's failures inside a step are noted
+    (:class:`~autooffload.guard.StepFaults`).
     """
 
     def __init__(
@@ -96,9 +100,11 @@ class CheckpointSwitch:
         on_measured: Callable[[int, int, int, Any], None] | None = None,
         frames: CompiledFrames | None = None,
         foreign: Sequence[Foreign] = (),
+        faults: StepFaults | None = None,
     ) -> None:
         self.targets = targets
         self._foreign = [(f.module, f.attribute, f.function) for f in foreign]
+        self.faults = faults = faults if faults is not None else StepFaults()
         self.compiled, self.frames = frames is not None, frames
         compiled = self.compiled
         self._whole = 0  # micro-batches planned in a row without eager-frame functions
@@ -110,19 +116,21 @@ class CheckpointSwitch:
         self._dormant = [(m, a, getattr(m, a, None)) for m, a in dormant]
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
-        self.engine = make_engine(engine, stats, modules, host) if isinstance(engine, str) else engine
+        self.engine = make_engine(engine, stats, modules, host, faults) if isinstance(engine, str) else engine
         self._plain = {id(t): self._tag(plain_function(t.kwargs), t) for t in targets}
         self._calls: dict[int, LayerCalls] = {}
         self._hooks: list[Any] = []
         self.layers = planned_layers(targets)
         self.forward = ForwardState(len(self.layers))
         self._plain_layer = [
-            self._tag(plain_function(s.target.kwargs, None if compiled else self.forward.counter(i)), s.target)
+            self._tag(plain_function(s.target.kwargs, None if compiled else self.forward.counter(i), faults), s.target)
             for i, s in enumerate(self.layers)
         ]
         self._offload = [
             self._tag(
-                eager(offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i, stats)),
+                eager(
+                    offload_function(s.target.kwargs, self.engine, s is self.layers[-1], self.forward, i, stats, faults)
+                ),
                 s.target,
             )
             for i, s in enumerate(self.layers)
@@ -140,6 +148,7 @@ class CheckpointSwitch:
                         functools.partial(self._reporter, i),
                         retired[i],
                         self.forward,
+                        faults,
                     )
                 ),
                 s.target,
@@ -150,9 +159,10 @@ class CheckpointSwitch:
             self._tag(
                 eager(
                     measuring_plain_function(
-                        plain_function(s.target.kwargs, self.forward.counter(i)),
+                        plain_function(s.target.kwargs, self.forward.counter(i), faults),
                         functools.partial(parameter_storages, [s.target.module]),
                         functools.partial(self._reporter, i),
+                        faults,
                     )
                 ),
                 s.target,
@@ -286,11 +296,8 @@ class CheckpointSwitch:
     def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
         """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
         also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
-
-        def restart(module: torch.nn.Module, args: tuple) -> None:
-            self._restart(calls)
-
-        return restart
+        restart = self.faults.shield(RESTART, self._restart, lambda calls: setattr(calls, "count", 0))
+        return lambda module, args: restart(calls)
 
     def _restart(self, calls: LayerCalls) -> None:
         if calls.count > len(calls.functions):
@@ -337,7 +344,7 @@ class CheckpointSwitch:
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
         switch = CheckpointSwitch(
             targets, self.stats, self.engine, self.warn, None, watched, on_first_call, on_measured, self.frames,
-            foreign,
+            foreign, self.faults,
         )  # fmt: skip
         switch.forward.open = self.forward.open  # rebuilt as a forward begins: its end settles what it defers
         return switch

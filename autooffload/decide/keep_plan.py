@@ -177,7 +177,7 @@ class KeepPlanner:
         """
         if tokens <= 0 or tokens > self.longest_read_tokens or not self.layers:
             return 0
-        held = sum(f.kept_bytes for f in self._group) + self.beyond()
+        held = self.held()
         expected = max(self.alive - len(self._group), 1)
         extra = self.extra(tokens)
         cumulative, added = [], 0.0
@@ -188,6 +188,11 @@ class KeepPlanner:
             cumulative.append(expected * (added + extra))
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + held, cumulative, len(self.layers), limit, widened, levels)
+
+    def held(self) -> float:
+        """What the forwards alive since the last backward hold beyond the prediction for the next one: their kept
+        layers, and the footprints the prediction does not cover (:meth:`beyond`)."""
+        return sum(f.kept_bytes for f in self._group) + self.beyond()
 
     def beyond(self) -> float:
         """The footprints of the forwards alive since the last backward that the prediction does not cover: it was

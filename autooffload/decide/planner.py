@@ -8,7 +8,9 @@ Everything that turns what is known before a forward into one :class:`Plan` sits
    answer to an :class:`~autooffload.decide.policy.Observation` (a policy that raises is dropped: plain
    checkpointing from then on); then capped;
 3. with ``recompute="auto"``, where nothing offloads, how many of the last layers keep
-   (:mod:`~autooffload.decide.keep_plan`);
+   (:mod:`~autooffload.decide.keep_plan`); where forwards before this one are still alive (two forwards before
+   one backward) and hold more than the prediction covers, recomputing every layer may not be enough: then the
+   fewest layers that bring the step under ``memory_high`` offload;
 4. under torch.distributed, the ranks' agreement: the most offload any rank asked for, capped at the smallest
    rank's host cap, and the least keep (the ``agree`` function the controller hands in makes the collective;
    a policy that keeps state hears the group's level through ``agreed``);
@@ -138,12 +140,18 @@ class Planner:
         asked = None
         if cap is not None and decided > cap:
             decided, asked, reason = cap, decided, "host_cap"
-        keep = 0
+        keep = alive = 0
         if self.stacks <= 1 and self.settings.recompute == "auto":
             keep = self._plan_keep(seq_len, tokens, decided, sized, reading, rescuing)
-        level, keep = self._agree(decided, cap, keep, step, seq_len, tokens, reading)
+            alive = 0 if keep else self._alive_level(decided, reading)
+        own = decided  # the policy's level, capped: a policy that keeps state hears of another that runs
+        if alive > decided:
+            decided, reason = alive if cap is None else min(alive, cap), "forwards_alive"
+        level, keep = self._agree(decided, cap, keep)
         if level != decided:
             reason = "rank_agreement"
+        if level != own:
+            self._tell(level, step, seq_len, tokens, reading)
         if self.compiled and (level, keep) != installed and not first:
             self.budget.switched()
         # Counting what a layer keeps holds its activations until its forward ends (the counter needs them alive):
@@ -241,25 +249,40 @@ class Planner:
         limit = self.settings.memory_high * reading.total
         return self.keep.count(predicted, tokens, seq_len, limit, ladder.KEEP_MARGIN * reading.total, levels)
 
-    def _agree(
-        self, level: int, cap: int | None, keep: int, step: int, seq_len: int, tokens: int, reading: LastReading
-    ) -> tuple[int, int]:
-        """The ranks' plan, where there is a group to ask; a policy that keeps state hears a level not its own."""
+    def _alive_level(self, decided: int, reading: LastReading) -> int:
+        """Layers this micro-batch offloads because forwards before it are still alive: where what they hold beyond
+        the prediction (their kept layers, footprints no reading covered: the first step with two forwards) puts
+        the all-recompute peak over ``memory_high``, the fewest that bring it under (all of them where none do)."""
+        observation, predicted = self.last_observation, self.keep_plain
+        if decided or observation is None or predicted is None or reading.total is None:
+            return 0
+        held = self.keep.held()
+        excess = predicted + held - self.settings.memory_high * reading.total
+        if not held or excess <= 0:
+            return 0
+        level = observation.fewest_layers(excess)
+        return min((allowed for allowed in observation.levels or () if allowed >= level), default=level)
+
+    def _agree(self, level: int, cap: int | None, keep: int) -> tuple[int, int]:
+        """The ranks' plan, where there is a group to ask."""
         if self.agree is None:
             return level, keep
-        agreed, keep = self.agree(level, self.layers if cap is None else cap, keep, self.layers)
+        return self.agree(level, self.layers if cap is None else cap, keep, self.layers)
+
+    def _tell(self, level: int, step: int, seq_len: int, tokens: int, reading: LastReading) -> None:
+        """A policy that keeps state hears that ``level`` runs, not its own (the ranks' agreement, forwards alive)."""
         tell = getattr(self.policy, "agreed", None)
-        if agreed != level and tell is not None:
-            observation = self.last_observation or Observation(step, seq_len, tokens, reading.fraction, self.layers)
-            try:
-                tell(observation, agreed)
-            except Exception as error:  # a user's policy must not end the run
-                self.warn(
-                    "policy-agreed",
-                    f"policy {type(self.policy).__name__}.agreed raised {error!r}; its state may differ from the "
-                    "level the ranks agreed on",
-                )
-        return agreed, keep
+        if tell is None:
+            return
+        observation = self.last_observation or Observation(step, seq_len, tokens, reading.fraction, self.layers)
+        try:
+            tell(observation, level)
+        except Exception as error:  # a user's policy must not end the run
+            self.warn(
+                "policy-agreed",
+                f"policy {type(self.policy).__name__}.agreed raised {error!r}; its state may differ from the "
+                "level the ranks agreed on",
+            )
 
     def settle(self) -> None:
         """The micro-batch after a switch has run (called before the next plan and at a step's end): charge the

@@ -1,7 +1,8 @@
 """Observe: how much host memory this process may still take, under every limit that applies to it.
 
 The machine's free memory is one limit. A container sets another: cgroup v2 ``memory.max`` (and ``memory.high``,
-above which the kernel throttles the cgroup), cgroup v1 ``memory.limit_in_bytes``, at the process's own cgroup
+above which the kernel throttles the cgroup), cgroup v1 ``memory.limit_in_bytes`` (and ``memory.stat``'s
+``hierarchical_memory_limit``, which names the limits above a container's mount too), at the process's own cgroup
 and at every cgroup above it, whose limits apply as well. The process may have its own: ``RLIMIT_AS`` (``ulimit
 -v``: every mapping counts, host buffers included) and ``RLIMIT_DATA`` (``ulimit -d``: private writable
 mappings). Each gives what is left under it (the limit less what is charged to it now: a cgroup's usage less the
@@ -185,13 +186,19 @@ def _v2_limits(folder: Path) -> list[Limit]:
 
 
 def _v1_limits(folder: Path) -> list[Limit]:
-    limit = _number(folder / "memory.limit_in_bytes")
-    used = _number(folder / "memory.usage_in_bytes") if limit is not None and limit < V1_UNLIMITED else None
-    if limit is None or used is None:
-        return []
+    """The cgroup's own ``memory.limit_in_bytes``, or, tighter, ``memory.stat``'s ``hierarchical_memory_limit``: the
+    tightest limit of every cgroup above it, those a container does not mount included (a Kubernetes pod's), against
+    this cgroup's usage (the usage above it cannot be read from here)."""
     stat = _stat(folder / "memory.stat")
+    own = _number(folder / "memory.limit_in_bytes")
+    named = [("memory.limit_in_bytes", own), ("hierarchical_memory_limit", stat.get("hierarchical_memory_limit"))]
+    named = [(name, limit) for name, limit in named if limit is not None and limit < V1_UNLIMITED]
+    used = _number(folder / "memory.usage_in_bytes") if named else None
+    if used is None:
+        return []
+    name, limit = min(named, key=lambda item: item[1])
     used -= stat.get("total_inactive_file", stat.get("inactive_file", 0))
-    return [Limit(f"cgroup v1 memory.limit_in_bytes ({folder})", max(limit - used, 0), limit)]
+    return [Limit(f"cgroup v1 {name} ({folder})", max(limit - used, 0), limit)]
 
 
 def _number(path: Path) -> int | None:

@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults, in_step, nothing
+
+SAVED_COUNT = in_step("a saved-bytes count")
+
 
 @torch.compiler.disable
 def _outer_hooks() -> tuple[Callable, Callable] | None:
@@ -60,9 +64,13 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
 
     The hooks do not refer to the counter: the graph holds them (and through them the hooks around, a checkpoint's
     frame with its call's inputs) until its backward, and a counter they referred to, which refers to them, would
-    make a cycle that only Python's cyclic collector frees, steps later, with those inputs still allocated."""
+    make a cycle that only Python's cyclic collector frees, steps later, with those inputs still allocated.
 
-    def __init__(self, excluded: set[tuple[torch.device, int]], hold: bool = False) -> None:
+    The count runs shielded (``faults``, :mod:`autooffload.guard`): where it fails, the tensor is still handed on."""
+
+    def __init__(
+        self, excluded: set[tuple[torch.device, int]], hold: bool = False, faults: StepFaults | None = None
+    ) -> None:
         self._count = count = [0]
         self.held: list[torch.Tensor] = []
         held = self.held
@@ -70,13 +78,18 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         outer = _outer_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
-        def pack(tensor: torch.Tensor) -> Any:
+        def add(tensor: torch.Tensor) -> None:
             key = storage_key(tensor)
             if key is not None and key not in seen:
                 seen.add(key)
                 count[0] += tensor.untyped_storage().nbytes()
                 if hold:
                     held.append(tensor)
+
+        counted = (faults if faults is not None else StepFaults()).shield(SAVED_COUNT, add, nothing)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            counted(tensor)
             return outer_pack(tensor) if outer_pack is not None else tensor
 
         def unpack(packed: Any) -> torch.Tensor:
