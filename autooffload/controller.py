@@ -85,7 +85,7 @@ class OffloadController(Run):
         frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
-            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames,
+            on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames, on_mark=self.memory.mark,
         )  # fmt: skip
         self._adopt(layout, frames is not None)
         recompute, layers = self.settings.recompute, len(layout.layers)
@@ -288,7 +288,7 @@ class OffloadController(Run):
         moved = self.record.close_step()  # what fell short says nothing of a layer input's bytes
         self.sizes.end_step(moved, measure=not rescued and not self.record.last_step_short_bytes)
         peak = self.memory.end_step()
-        self.planner.end_step(peak, clean=self.memory.last.clean and not rescued)
+        self.planner.end_step(peak, self.memory.last.clean and not rescued, self.memory.segments)
         self.host.end_step()
         last, layers = self.memory.last, len(self.switch.layers) if self.switch is not None else None
         self.record.end_step(rescued, (last.fraction, last.bytes, last.total), layers, self.settings)

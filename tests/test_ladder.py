@@ -131,8 +131,8 @@ def test_a_measured_step_leaves_no_layer_input_for_the_garbage_collector(monkeyp
     inputs = []
     measuring = switch.measuring_plain_function
 
-    def watching(plain, excluded, reporter):
-        measured = measuring(plain, excluded, reporter)
+    def watching(plain, excluded, reporter, *marks):
+        measured = measuring(plain, excluded, reporter, *marks)
 
         def checkpoint(function, *args, **kwargs):
             inputs.append(weakref.ref(args[0]))  # the layer's input (its hidden states)

@@ -16,6 +16,11 @@ dtype when the layer ran under autocast (its weights' casts are then part of wha
 runs inside plain checkpointing (the measuring plain function), so that a layer's cost is measured before it
 is first kept.
 
+Both measuring functions also mark the step for the probe (:class:`Marks`): where the forward reaches the first
+layer, where the backward reaches each layer (a hook on the layer's output gradient) and where it leaves the first
+one (a hook on its input's gradient). The probe reports the most the device held between two marks: how a step's
+peak grows with each kept layer is read off these segments (:mod:`autooffload.decide.growth`).
+
 The backward counter tells the keep planner when a backward ran, so that it knows how many forwards were
 alive together (chosen and rejected as two calls before one backward, accumulation by hand): a hook on one
 trainable parameter that fires once its gradient is accumulated, once per backward that reaches it.
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..decide.growth import BELOW, FORWARD, LAYER
 from ..observe.saved import SavedBytesCounter, storage_key, tensors_in
 
 
@@ -43,28 +49,62 @@ def keep_function() -> Callable[..., Any]:
 Report = Callable[[int, int], None]
 
 
+class Marks:
+    """The marks one measuring layer call makes: ``mark(label)`` with ``(FORWARD, key)`` as the forward reaches the
+    first layer (``position`` 0) and ``(BELOW, key)`` once the backward leaves it, ``(LAYER, key, position)`` as the
+    backward reaches the layer; ``key`` names the call's micro-batch. A hook holds only ``mark`` and the label."""
+
+    def __init__(self, mark: Callable[[tuple], None] | None, key: object, position: int) -> None:
+        self.mark, self.key, self.position = mark, key, position
+
+    def enter(self, args: tuple) -> None:
+        if self.mark is None or self.position != 0:
+            return
+        self.mark((FORWARD, self.key))
+        _on_gradient(args, self.mark, (BELOW, self.key))
+
+    def leave(self, output: Any) -> None:
+        if self.mark is not None:
+            _on_gradient((output,), self.mark, (LAYER, self.key, self.position))
+
+
+def _on_gradient(values: Any, mark: Callable[[tuple], None], label: tuple) -> None:
+    """``mark(label)`` when the gradient of the first tensor in ``values`` that needs one is computed."""
+    tensor = next((t for t in tensors_in(values) if t.requires_grad), None)
+    if tensor is not None:
+        tensor.register_hook(lambda gradient: mark(label))
+
+
 def measuring_keep_function(
-    excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report]
+    excluded: Callable[[], set[tuple[torch.device, int]]],
+    reporter: Callable[[], Report],
+    marks: Callable[[], Marks] = lambda: Marks(None, None, 0),
 ) -> Callable[..., Any]:
     """The keep rung that also counts what the layer saved beyond ``excluded()`` (parameters, buffers) and its
     inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run; ``report`` is
-    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to)."""
+    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to). It marks the
+    step with ``marks()``'s :class:`Marks`."""
 
     def checkpoint_keep_measured(function, *args, **call_kwargs):
-        report = reporter()
+        report, mark = reporter(), marks()
         tensors = list(tensors_in((function, args, call_kwargs)))
         inputs = {key for key in map(storage_key, tensors) if key is not None}
+        mark.enter(args)
         counter = SavedBytesCounter(excluded() | inputs)
         with counter:
             output = function(*args, **call_kwargs)
         report(counter.bytes, autocast_bytes(tensors[0].device.type if tensors else "cpu"))
+        mark.leave(output)
         return output
 
     return checkpoint_keep_measured
 
 
 def measuring_plain_function(
-    plain: Callable[..., Any], excluded: Callable[[], set[tuple[torch.device, int]]], reporter: Callable[[], Report]
+    plain: Callable[..., Any],
+    excluded: Callable[[], set[tuple[torch.device, int]]],
+    reporter: Callable[[], Report],
+    marks: Callable[[], Marks] = lambda: Marks(None, None, 0),
 ) -> Callable[..., Any]:
     """Plain checkpointing (``plain``) that also counts what the layer would keep without it, and reports it as
     the measuring keep function does: inside the checkpoint, the layer's first forward with gradients on (the
@@ -75,10 +115,11 @@ def measuring_plain_function(
     count belongs to the forward that called the layer."""
 
     def checkpoint_plain_measured(function, *args, **call_kwargs):
-        report = reporter()
+        report, mark = reporter(), marks()
         tensors = list(tensors_in((function, args, call_kwargs)))
         inputs = {key for key in map(storage_key, tensors) if key is not None}
         done = []
+        mark.enter(args)
 
         def counted(*inner_args, **inner_kwargs):
             if done or not torch.is_grad_enabled():
@@ -90,7 +131,9 @@ def measuring_plain_function(
             report(counter.bytes, autocast_bytes(tensors[0].device.type if tensors else "cpu"))
             return output
 
-        return plain(counted, *args, **call_kwargs)
+        output = plain(counted, *args, **call_kwargs)
+        mark.leave(output)
+        return output
 
     return checkpoint_plain_measured
 

@@ -45,7 +45,7 @@ from .engines import OffloadEngine, make_engine
 from .forward import ForwardState, LayerCalls
 from .functions import dispatch_function, eager_frame, offload_function, plain_function
 from .host_memory import HostMemory
-from .keep import keep_function, measuring_keep_function, measuring_plain_function
+from .keep import Marks, keep_function, measuring_keep_function, measuring_plain_function
 from .layer_inputs import argument_names
 from .offload import OffloadStats
 
@@ -98,6 +98,7 @@ class CheckpointSwitch:
         on_first_call: Callable[[int, int, tuple[int, int] | None], None] | None = None,
         on_measured: Callable[[int, int, int, Any], None] | None = None,
         frames: CompiledFrames | None = None,
+        on_mark: Callable[[tuple], None] | None = None,
     ) -> None:
         self.targets = targets
         self.compiled, self.frames = frames is not None, frames
@@ -105,7 +106,7 @@ class CheckpointSwitch:
         self._whole = 0  # micro-batches planned in a row without eager-frame functions
         eager = eager_frame if compiled else (lambda function: function)
         self.stats = stats
-        self.on_first_call, self.on_measured = on_first_call, on_measured
+        self.on_first_call, self.on_measured, self.on_mark = on_first_call, on_measured, on_mark
         self._dormant = [(m, a, getattr(m, a, None)) for m, a in watched or []] if not targets else []
         self.warn = warn if warn is not None else WarnOnce()
         modules = [t.module for t in targets]
@@ -134,7 +135,9 @@ class CheckpointSwitch:
             self._tag(
                 eager(
                     measuring_keep_function(
-                        functools.partial(parameter_storages, [s.target.module]), functools.partial(self._reporter, i)
+                        functools.partial(parameter_storages, [s.target.module]),
+                        functools.partial(self._reporter, i),
+                        functools.partial(self._marks, i),
                     )
                 ),
                 s.target,
@@ -148,6 +151,7 @@ class CheckpointSwitch:
                         plain_function(s.target.kwargs, self.forward.counter(i)),
                         functools.partial(parameter_storages, [s.target.module]),
                         functools.partial(self._reporter, i),
+                        functools.partial(self._marks, i),
                     )
                 ),
                 s.target,
@@ -265,6 +269,10 @@ class CheckpointSwitch:
 
         return report
 
+    def _marks(self, position: int) -> Marks:
+        """At a measuring layer call: the marks it makes (``on_mark``), naming the micro-batch the call belongs to."""
+        return Marks(self.on_mark, self.forward.batch, position)
+
     def new_forward(self) -> None:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
         container called its function more often in one forward than its stack has layers."""
@@ -324,7 +332,7 @@ class CheckpointSwitch:
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
         switch = CheckpointSwitch(
             targets, self.stats, self.engine, self.warn, None, watched, self.on_first_call, self.on_measured,
-            self.frames,
+            self.frames, self.on_mark,
         )  # fmt: skip
         switch.forward.open = self.forward.open  # rebuilt as a forward begins: its end settles what it defers
         return switch

@@ -120,6 +120,7 @@ class SimulatedDevice:
         """A step begins: what it holds now is counted as held, and its peak starts from here. Garbage is collected
         first: a block from an earlier step freed by the collector inside this one would lower its count."""
         self._window.close()
+        self._window.segments = None
         if self.count == "peak":
             gc.collect()
         self._activations, self._trained, self._peak, self._read = None, False, None, False
@@ -143,6 +144,14 @@ class SimulatedDevice:
                 "SimulatedDevice cannot count a step's peak while another profiler runs in this thread; such steps "
                 "count what the forward saved (count='saved'), which leaves out the backward's transients",
             )
+
+    def mark(self, label: Any) -> None:
+        """Start a segment of the step's count here (:class:`~autooffload.observe.allocations.AllocationPeak`)."""
+        self._window.mark(label)
+
+    def segments(self) -> list[tuple[Any, int]] | None:
+        """The last read step's segments (label, peak above its start), where it was marked."""
+        return self._window.segments
 
     def read(self) -> MemoryReading | None:
         if self._model is None:
