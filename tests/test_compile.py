@@ -208,3 +208,23 @@ def test_frames_given_up_before_a_rebuild_or_a_new_attach_are_given_back(again):
         controller.switch.apply(0, 0)
     assert layer_frames(step) == 0
     net.zero_grad(set_to_none=True)
+
+
+def test_the_hooks_leave_a_compiled_model_in_one_graph():
+    """The controller's hooks on the model's entries (the decoder stack inside the causal LM, for a loss computed
+    from it) are traced by dynamo and read one attribute there; only where a call decides (the model's own entry)
+    does a hook run eagerly. Before: every entry's hook ran eagerly, a graph break inside the model's forward that
+    split it into two graphs, the loss apart from the layers (the peers benchmark, every layer kept: 5% slower than
+    the same model compiled without autooffload)."""
+    torch_dynamo.reset()
+    net = model().train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(Settings(recompute="auto"), probe=None)
+    controller.attach(net, compiled=True)
+    assert controller.hooks.stacks  # the decoder stack is an entry of its own
+    controller.before_forward = lambda *call: 0  # the test installs the plan itself: every layer keeps, so no
+    controller.switch.apply(0, LAYERS)  # checkpoint is left for dynamo to break on
+    ids = random_ids(64)
+    explained = torch_dynamo.explain(lambda: net(input_ids=ids, labels=ids).loss)()
+    controller.detach()
+    assert explained.graph_count == 1, explained.break_reasons

@@ -73,27 +73,37 @@ class ForwardHooks:
         self._entry_handles = [handle for module in self.stacks for handle in self._watch(module)]
 
     def _watch(self, module: torch.nn.Module) -> list[Any]:
-        @torch.compiler.disable
+        # Under torch.compile the hooks are traced: each only reads ``active`` there, and runs eagerly (a graph break)
+        # where it has something to do. An entry inside the model's call (the decoder inside a causal LM) then
+        # breaks nothing: a break there split the compiled model into two graphs, the loss apart from the layers
+        # (tests/test_compile.py).
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.active is None:
-                self.active = entered
-                if self._entered is not None and entered.training and torch.is_grad_enabled():
-                    self._entered()
-                deferrable = self.deferrable.get(entered, False)
-                if self._enter(entered, self.stacks.get(entered), args, kwargs, deferrable) is False:
-                    self.active = None
+                self._begin(entered, args, kwargs)
 
-        @torch.compiler.disable
         def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self.active is entered:
-                self.active = None
-                if self._leave is not None:
-                    self._leave(output is None)  # torch hands an always-call hook no output when forward raised
+                self._end(output is None)  # torch hands an always-call hook no output when forward raised
 
         return [
             module.register_forward_pre_hook(before, with_kwargs=True),
             module.register_forward_hook(after, with_kwargs=True, always_call=True),
         ]
+
+    @torch.compiler.disable
+    def _begin(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.active = entered
+        if self._entered is not None and entered.training and torch.is_grad_enabled():
+            self._entered()
+        deferrable = self.deferrable.get(entered, False)
+        if self._enter(entered, self.stacks.get(entered), args, kwargs, deferrable) is False:
+            self.active = None
+
+    @torch.compiler.disable
+    def _end(self, raised: bool) -> None:
+        self.active = None
+        if self._leave is not None:
+            self._leave(raised)
 
     def remove(self) -> None:
         for handle in self._handles + self._entry_handles:
