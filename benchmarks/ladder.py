@@ -413,6 +413,8 @@ def run_scenario(
         for seq in sorted(set(lengths)) * 2 + [max(lengths)] + [min(lengths)] * 2:  # readings and measurements
             mode.step(seq, seed=seq, timed=False, **how)
         mode.settle(lengths, how)
+    for mode in modes:  # compiled modes share dynamo's cache per code: one may have dropped another's
+        mode.settle(lengths, how)
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):

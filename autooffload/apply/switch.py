@@ -226,7 +226,7 @@ class CheckpointSwitch:
             return
         self._whole += 1
         if self._whole >= RESUME_AFTER and self.frames is not None and self.frames.given_up:
-            self.frames.resume()
+            self.frames.resume(recompile=True)
 
     def _first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no
