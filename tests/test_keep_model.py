@@ -524,6 +524,8 @@ def test_the_profile_plans_keep_on_the_segments_and_a_reading_above_it_drops_it(
     # 1000 of room: the saved bytes allow one kept layer; on the segments three fit (they add 1000 at the forward's
     # end and in layer 3's backward, 500 in layer 2's).
     assert plan.growth([(3, 100, 100)]) == 1000.0 and plan.growth([(4, 100, 100)]) == 2000.0
+    profile = plan.profiles.get((ladder_bucket(100), 1))
+    assert profile.growths([], [1000.0] * LAYERS, LAYERS, 0.0, 100) == [0.0, 0.0, 1000.0, 2000.0]
     assert plan.count(5000.0, 100, 100, 6000.0, 0) == 3
     # A step that keeps three peaks above that: the profile was short, the saved bytes plan again, and no step
     # marks that length again.

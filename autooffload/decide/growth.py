@@ -62,6 +62,26 @@ class Profile:
             most = max(most, held - headroom * scale)
         return most
 
+    def growths(
+        self, earlier: Sequence[Sequence[float]], costs: Sequence[float], most: int, extra: float, tokens: int
+    ) -> list[float]:
+        """:meth:`growth` of the plans in which the forwards after ``earlier`` (their kept bytes per layer, as there)
+        each keep the last ``m`` layers, for ``m`` from 1 to ``most``: ``costs[i]``, what layer ``i`` holds kept;
+        ``extra``, a forward's correction. One pass over the segments per ``m``: O(layers x segments) a decision."""
+        prefix, earlier_prefixes = _prefix(costs), [_prefix(layers) for layers in earlier]
+        held = [
+            sum(p[min(a, len(p) - 1)] for p, a in zip(earlier_prefixes, alive, strict=False)) for alive in self.alive
+        ]
+        scale = min(1.0, tokens / self.tokens) if self.tokens > 0 else 1.0
+        results = []
+        for keep in range(1, most + 1):
+            first, best = len(costs) - keep, 0.0
+            for base, headroom, alive in zip(held, self.headroom, self.alive, strict=True):
+                own = sum(prefix[a] - prefix[first] + extra for a in alive[len(earlier) :] if a > first)
+                best = max(best, base + own - headroom * scale)
+            results.append(best)
+        return results
+
     def state(self) -> list[Any]:
         return [self.tokens, list(self.headroom), [list(row) for row in self.alive]]
 

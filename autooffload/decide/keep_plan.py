@@ -183,12 +183,17 @@ class KeepPlanner:
             return 0
         earlier = [(f.keep, f.tokens, f.seq) for f in self._group]
         expected = max(self.alive - len(self._group), 1)
-        costs = self.layer_costs(tokens, seq)
-        cumulative = []
-        for keep in range(1, len(self.layers) + 1):
-            if costs[-keep] is None:
-                break
-            cumulative.append(self.growth([*earlier, *[(keep, tokens, seq)] * expected]))
+        costs, extra = self.layer_costs(tokens, seq), self.extra(tokens)
+        most = next((m for m in range(len(costs)) if costs[-1 - m] is None), len(costs))  # layers with a cost
+        profile = self._profile([*earlier, *[(1, tokens, seq)] * expected])
+        if profile is not None:
+            kept = [self._kept_layers(*forward) for forward in earlier]
+            cumulative = profile.growths(kept, [c or 0.0 for c in costs], most, extra, tokens)
+        else:  # the sum of what the kept layers save
+            held, added, cumulative = self.growth(earlier), 0.0, []
+            for cost in reversed(costs[len(costs) - most :]):
+                added += cost  # type: ignore[operator]
+                cumulative.append(held + expected * (added + extra))
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
 
