@@ -5,10 +5,10 @@ The controller asks it, per micro-batch, how many of the last checkpointed layer
 (:meth:`~KeepPlanner.backward`), what a kept layer saved (:meth:`~KeepPlanner.measured`) and, at a step's end, the
 reading (:meth:`~KeepPlanner.end_step`). Three things make its plan right by construction:
 
-- **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`, constant term included):
-  keeping the last ``m`` layers adds the sum of those ``m`` layers' bytes; a layer not measured yet costs the
-  most any measured layer costs at that length, scaled up by its share of matrix weights, and never less than
-  its seed;
+- **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`, constant term included),
+  and what the kept layers add to the real peak read off the step's segments at that length where a profile was
+  read (:mod:`~autooffload.decide.growth`), else their sum; a layer not measured yet costs the most any measured
+  layer costs at that length, scaled up by its share of matrix weights, and never less than its seed;
 - **every forward alive before one backward** (chosen and rejected as two calls, contrastive losses, accumulation
   by hand): forwards are counted between backwards, the most alive together over the recent steps is learned,
   and a forward's plan leaves room for what the forwards before it kept and for the ones still to come; where
