@@ -413,8 +413,10 @@ def run_scenario(
         for seq in sorted(set(lengths)) * 2 + [max(lengths)] + [min(lengths)] * 2:  # readings and measurements
             mode.step(seq, seed=seq, timed=False, **how)
         mode.settle(lengths, how)
-    for mode in modes:  # compiled modes share dynamo's cache per code: one may have dropped another's
+    for mode in modes:  # compiled modes share dynamo's cache per code: one may have dropped another's (not the
+        held = len(mode.steps)  # mode's own warm-up: its steps are not kept)
         mode.settle(lengths, how)
+        del mode.steps[held:]
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):

@@ -52,17 +52,21 @@ Report = Callable[[int, int], None]
 class Marks:
     """The marks one measuring layer call makes: ``mark(label)`` with ``(FORWARD, key)`` as the forward reaches the
     first layer (``position`` 0) and ``(BELOW, key)`` once the backward leaves it, ``(LAYER, key, position)`` as the
-    backward reaches the layer; ``key`` names the call's micro-batch. A hook holds only ``mark`` and the label."""
+    backward reaches the layer; ``key`` names the call's micro-batch. A hook holds only ``mark`` and the label.
+    Never traced by dynamo (under torch.compile the measuring function's own frame runs eagerly, and what it calls
+    would be compiled: a graph of its own for nothing)."""
 
     def __init__(self, mark: Callable[[tuple], None] | None, key: object, position: int) -> None:
         self.mark, self.key, self.position = mark, key, position
 
+    @torch.compiler.disable
     def enter(self, args: tuple) -> None:
         if self.mark is None or self.position != 0:
             return
         self.mark((FORWARD, self.key))
         _on_gradient(args, self.mark, (BELOW, self.key))
 
+    @torch.compiler.disable
     def leave(self, output: Any) -> None:
         if self.mark is not None:
             _on_gradient((output,), self.mark, (LAYER, self.key, self.position))
