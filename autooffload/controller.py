@@ -87,7 +87,7 @@ class OffloadController(Run):
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
             on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames, foreign=layout.unknown,
-            faults=self.faults,
+            faults=self.faults, on_mark=self.memory.mark,
         )  # fmt: skip
         self._adopt(layout, frames is not None)
         recompute, layers = self.settings.recompute, len(layout.layers)
@@ -289,7 +289,8 @@ class OffloadController(Run):
         rescued = self.memory.rescuing
         moved = self.record.close_step()  # what fell short says nothing of a layer input's bytes
         self.sizes.end_step(moved, measure=not rescued and not self.record.last_step_short_bytes)
-        self.planner.end_step(self.memory.end_step(), clean=self.memory.last.clean and not rescued)  # the reading first
+        peak = self.memory.end_step()
+        self.planner.end_step(peak, self.memory.last.clean and not rescued, self.memory.segments)
         self.host.end_step()
         layers = len(self.switch.layers) if self.switch is not None else None
         self.record.end_step(rescued, self.memory.last, layers, self.settings, (self.host, self.memory.read_seconds))

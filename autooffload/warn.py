@@ -19,6 +19,7 @@ ANCHORS = {
     "no-probe": "no-probe",
     "probe-failed": "probe-failed",
     "probe-reset": "probe-reset",
+    "probe-mark": "probe-mark",
     "probe-watch": "probe-watch",
     "simulated-peak": "simulated-peak",
     "no-tokens": "no-tokens",

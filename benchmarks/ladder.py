@@ -177,9 +177,19 @@ class BudgetProbe:
         self.bench = bench
         self.total = 1
         self.last: int | None = None
+        self.window: AllocationPeak | None = None  # the step's count, where it is counted (not reused)
+        self.last_segments: list | None = None
 
     def read(self) -> MemoryReading | None:
         return None if self.last is None else MemoryReading(min(self.last, self.total), self.total)
+
+    def mark(self, label: Any) -> None:
+        """The keep model's marks split a counted step into segments; a step whose count is reused has none."""
+        if self.window is not None:
+            self.window.mark(label)
+
+    def segments(self) -> list | None:
+        return self.last_segments
 
 
 class Bench:
@@ -307,6 +317,7 @@ class Mode:
                 if key not in bench.counts:
                     window = AllocationPeak()
                     window.start()
+                    self.probe.window = window
             try:
                 losses.append(self._forward(model, ids, autocast))
             finally:
@@ -316,8 +327,10 @@ class Mode:
         del losses
         seconds = time.process_time() - began
         self.profiled = window is not None
+        self.probe.window, self.probe.last_segments = None, None
         if window is not None:
             bench.counts[key] = window.stop()
+            self.probe.last_segments = window.segments
         return bench.static + bench.counts[key], seconds, plans
 
     def key(self, seq: int, tokens: int, plan: tuple[int, int], autocast: bool, forwards: int) -> tuple:
@@ -404,6 +417,10 @@ def run_scenario(
         for seq in sorted(set(lengths)) * 2 + [max(lengths)] + [min(lengths)] * 2:  # readings and measurements
             mode.step(seq, seed=seq, timed=False, **how)
         mode.settle(lengths, how)
+    for mode in modes:  # compiled modes share dynamo's cache per code: one may have dropped another's (not the
+        held = len(mode.steps)  # mode's own warm-up: its steps are not kept)
+        mode.settle(lengths, how)
+        del mode.steps[held:]
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):

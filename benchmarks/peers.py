@@ -431,6 +431,49 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 
 # ---- output ---------------------------------------------------------------------------------------------------
 
+# The summary's columns: ours, then the peers it is held against (modes that fit, the fastest of them).
+SUMMARY = (
+    ("eager `auto`", ("auto",)),
+    ("fastest other eager mode that fits", tuple(m for m in EAGER if m != "auto")),
+    ("compiled `auto`", ("compile-auto",)),
+    ("fastest compiled mode that fits", tuple(m for m in COMPILED if m != "compile-auto")),
+    ("layers compiled, `auto`", ("layers-auto",)),
+    ("layers compiled, plain", ("layers-plain",)),
+)
+NAMES = {"every-2nd": "every other layer", "hf-offload": "`offload=True`", "plain": "plain", "none": "none"}
+
+
+def _cell(values: dict[str, Any], modes: tuple[str, ...], single: bool) -> str:
+    """A summary cell: one mode (its ratio to plain, spread, whether it fits) or the fastest of ``modes`` that fits."""
+    present = [m for m in modes if m in values]
+    if not present:
+        return "-"
+    if single:
+        v = values[present[0]]
+        over = "" if v["fits"] else f", over ({v['max_reading_over_budget']:.2f})"
+        return f"{v['vs_plain']:.3f} ±{v['spread'] / 2:.0%}{over}"
+    fitting = [m for m in present if values[m]["fits"]]
+    if not fitting:
+        return "none fits"
+    best = min(fitting, key=lambda m: values[m]["median_s"])
+    v = values[best]
+    name = NAMES.get(best, best.replace("compile-", "budget ") if best[-1].isdigit() else best)
+    return f"{name}: {v['vs_plain']:.3f} ±{v['spread'] / 2:.0%}"
+
+
+def summary(results: list[dict[str, Any]]) -> list[str]:
+    """The issue's table: per scenario, CPU time against plain checkpointing of ours and of the fastest peer that
+    fits, each with half its spread (a ratio apart from another by more than both half-spreads is beyond them)."""
+    lines = [
+        "| scenario | " + " | ".join(title for title, _ in SUMMARY) + " |",
+        "|---" * (len(SUMMARY) + 1) + "|",
+    ]
+    for result in results:
+        values = result["modes"]
+        cells = [_cell(values, modes, title.endswith("`auto`") or title.endswith("plain")) for title, modes in SUMMARY]
+        lines.append(f"| {result['scenario']} | " + " | ".join(cells) + " |")
+    return lines
+
 
 def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = [
@@ -465,6 +508,7 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
                 f"| {v['max_reading_over_budget']:.3f} | {v['steps_over_budget']}, {v['warmup_steps_over_budget']} "
                 f"| {'yes' if v['fits'] else '**no**'} | {v['kept']:.0%} | {v['offloaded']:.0%} | {compiled} |"
             )
+    lines += ["", "Against plain checkpointing (its time = 1), half the spread after ±:", "", *summary(results)]
     lines += ["", "Per scenario:", ""]
     for result in results:
         lines.append(f"- {ladder.describe(result)}; fastest peer that fits: {result['fastest_fitting_peer']}")

@@ -208,3 +208,54 @@ def test_frames_given_up_before_a_rebuild_or_a_new_attach_are_given_back(again):
         controller.switch.apply(0, 0)
     assert layer_frames(step) == 0
     net.zero_grad(set_to_none=True)
+
+
+def test_the_hooks_leave_a_compiled_model_in_one_graph():
+    """The controller's hooks on the model's entries (the decoder stack inside the causal LM, for a loss computed
+    from it) are traced by dynamo and read one attribute there; only where a call decides (the model's own entry)
+    does a hook run eagerly. Before: every entry's hook ran eagerly, a graph break inside the model's forward that
+    split it into two graphs, the loss apart from the layers (the peers benchmark, every layer kept: 5% slower than
+    the same model compiled without autooffload)."""
+    torch_dynamo.reset()
+    net = model().train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(Settings(recompute="auto"), probe=None)
+    controller.attach(net, compiled=True)
+    assert controller.hooks.stacks  # the decoder stack is an entry of its own
+    controller.before_forward = lambda *call: 0  # the test installs the plan itself: every layer keeps, so no
+    controller.switch.apply(0, LAYERS)  # checkpoint is left for dynamo to break on
+    ids = random_ids(64)
+    explained = torch_dynamo.explain(lambda: net(input_ids=ids, labels=ids).loss)()
+    controller.detach()
+    assert explained.graph_count == 1, explained.break_reasons
+
+
+def test_after_a_measuring_micro_batch_the_model_compiles_whole_again_once_its_frames_are_given_back():
+    """recompute="auto" measures the layers at a new length with eager-frame functions (a graph break in the layers'
+    loop): dynamo gives that frame up and compiles the frame around it, the causal LM's, with a break at the call.
+    That compiled code stays valid for every later plan. Before: when the frames were given back, every layer kept,
+    the model still ran as two graphs (the loss apart from the layers), 5% slower than the same model compiled
+    without autooffload; the first time they are given back, their compiled code is dropped, and they compile
+    whole for the plan in place."""
+    import collections
+
+    torch_dynamo.reset()
+    net = model().train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(net, backend="aot_eager")
+    controller = OffloadController(Settings(recompute="auto"), probe=None)
+    controller.attach(net, compiled=True)
+    controller.before_forward = lambda *call: 0  # the test installs each plan itself
+
+    def graphs_run() -> int:
+        with torch.profiler.profile() as prof:
+            compiled(input_ids=random_ids(64), labels=random_ids(64)).loss.backward()
+        net.zero_grad(set_to_none=True)
+        return collections.Counter(e.name for e in prof.events())["CompiledFunction"]
+
+    controller.switch.apply(0, LAYERS, measure=True)
+    graphs_run()
+    for _ in range(RESUME_AFTER + 1):
+        controller.switch.apply(0, LAYERS)
+        graphs = graphs_run()
+    assert controller.switch.frames.recompiled and graphs == 1

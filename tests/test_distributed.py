@@ -173,13 +173,15 @@ def test_the_group_runs_the_smallest_host_cap(monkeypatch):
     [
         ([0.42, 0.93, 0.7], RankPeak(0.93, 1, 3)),
         ([0.93, 0.42], RankPeak(0.93, 0, 2)),
-        ([-1.0, 0.3, distributed.GAVE_UP, 0.25], RankPeak(0.3, 1, 4)),  # no reading, and a rank that gave up
-        ([0.5, 0.5], RankPeak(0.5, 0, 2)),
-        ([-1.0, distributed.GAVE_UP], None),
+        ([None, 0.3, float("nan"), 0.25], RankPeak(0.3, 1, 4)),  # no reading, and one that is no number
+        ([0.5, 0.5], RankPeak(0.5, 0, 2)),  # a tie: the lowest rank
+        ([None, -1.0], None),
     ],
 )
 def test_the_worst_rank_is_the_highest_peak_and_where_it_was_read(peaks, worst):
-    assert distributed.worst_of(peaks) == worst
+    world = len(peaks)
+    code = max(distributed.peak_code(peak, rank, world) for rank, peak in enumerate(peaks))
+    assert distributed.worst_of(code, world) == worst
 
 
 def test_summary_names_the_worst_rank():

@@ -422,3 +422,170 @@ def test_a_correction_that_forbids_keep_decays_until_keep_is_tried_again():
         plan.forward(100, 100, keep, 5000.0)
         plan.end_step(5000.0 + keep * 1000.0)
     assert plan.extra(100) == 0 and plan.count(5000, 100, 100, 13_000, 0) == 4
+
+
+# ---- the real peak's growth: the step read in segments (issue 39) ---------------------------------------------
+
+
+def real_peak(net, seq, keep, forwards=1):
+    """The most torch's CPU allocator holds above a step's start, a step of ``forwards`` forwards (the last ``keep``
+    layers kept) and one backward, on a copy of ``net``."""
+    import gc
+
+    from autooffload.observe.allocations import AllocationPeak
+
+    net = copy.deepcopy(net)
+    CheckpointSwitch(find_targets(net)[0], OffloadStats()).apply(0, keep)
+    gc.collect()
+    window = AllocationPeak()
+    assert window.start()
+    sum(net(input_ids=ids(seq + i), labels=ids(seq + i)).loss for i in range(forwards)).backward()
+    return window.stop()
+
+
+class RecordingDevice:
+    """A SimulatedDevice (the step's real peak) that keeps every reading."""
+
+    def __new__(cls, total):
+        from autooffload import SimulatedDevice
+
+        class Recording(SimulatedDevice):
+            def read(self):
+                reading = super().read()
+                if reading is not None:
+                    self.readings.append(reading.used_bytes)
+                return reading
+
+        device = Recording(total)
+        device.readings = []
+        return device
+
+
+def train_on_device(net, device, lengths, forwards=1):
+    """Train with recompute="auto" against ``device`` (a SimulatedDevice); the kept layers of every forward."""
+    controller = OffloadController(Settings(recompute="auto", memory_high=HIGH, memory_low=0.5), probe=device)
+    controller.attach(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    kept = []
+    for seq in lengths:
+        losses = []
+        for i in range(forwards):
+            losses.append(net(input_ids=ids(seq + i), labels=ids(seq + i)).loss)
+            kept.append(controller.switch.kept)
+        sum(losses).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        controller.end_step()
+    return controller, kept
+
+
+def test_two_forwards_keep_what_the_real_peak_has_room_for_not_what_the_saved_bytes_sum_allows():
+    """Two forwards before one backward, a device with room above plain checkpointing's real peak for 1.6 forwards'
+    worth of kept layers (the ladder's scenario (e)). The backward runs the second forward's layers first: its last
+    kept layer stands where its recompute would, so keeping a layer in each forward adds one layer's bytes, not
+    two. Before: the keep model added up what every kept layer saves and kept 4 of the 8 layer-forwards (2 and 2,
+    0.86x plain's time on the ladder); read in segments it keeps 5, and no step passes memory_high."""
+    net = checkpointed(qwen3(dropout=0.0))
+    seq = 128
+    one = real_peak(net, seq, LAYERS) - real_peak(net, seq, 0)
+    static = sum(p.numel() * p.element_size() for p in net.parameters())
+    total = round((static + real_peak(net, seq, 0, forwards=2) + 1.6 * one) / (HIGH - ladder.KEEP_MARGIN))
+    device = RecordingDevice(total)
+    controller, kept = train_on_device(net, device, [seq] * 6, forwards=2)
+    steps = [sum(kept[i : i + 2]) for i in range(0, len(kept), 2)]
+    assert steps[-1] >= 5, steps  # of 8: beyond what the saved bytes allow
+    keep = controller.planner.keep
+    saved = sum(keep.kept_bytes(k, seq, seq) for k in kept[-2:])
+    assert saved > 1.6 * one  # the layers kept save more than the room: they are not all alive at the peak
+    assert max(device.readings) <= HIGH * total, [round(r / (HIGH * total), 3) for r in device.readings]
+
+
+def tiny_jamba() -> torch.nn.Module:
+    """A hybrid stack: Mamba layers (PyTorch's reference kernels) at even positions, attention with two experts at
+    odd ones (the ladder's scenario (f), smaller)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False,
+        use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return checkpointed(JambaForCausalLM(config))
+
+
+def test_a_hybrid_stack_keeps_a_mamba_layer_under_the_buffers_of_its_backward():
+    """A hybrid Jamba stack, room above plain checkpointing's real peak for three quarters of what keeping every
+    layer adds (the ladder's scenario (f)). The Mamba layers' backward holds buffers under which the attention
+    layer and the Mamba layer kept last fit: keeping them adds less than they save. Before: the keep model added up
+    what they save and kept the last (attention) layer only; read in segments it keeps a Mamba layer too."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = tiny_jamba()
+        seq = 64
+        plain, everything = real_peak(net, seq, 0), real_peak(net, seq, LAYERS)
+        static = sum(p.numel() * p.element_size() for p in net.parameters())
+        total = round((static + plain + 0.75 * (everything - plain)) / (HIGH - ladder.KEEP_MARGIN))
+        device = RecordingDevice(total)
+        controller, kept = train_on_device(net, device, [seq] * 5)
+    assert kept[-1] >= 2, kept  # the last Mamba layer (position 2) keeps
+    keep = controller.planner.keep
+    assert keep.kept_bytes(kept[-1], seq, seq) > 0.75 * (everything - plain)
+    assert max(device.readings) <= HIGH * total, [round(r / (HIGH * total), 3) for r in device.readings]
+
+
+def marked_step(plan, key, reading, peaks, keep=0):
+    """One measured step of one forward (``key``) keeping ``keep`` layers; ``peaks``: the segments' peaks from the
+    forward's start, then as the backward reaches layers 3, 2, 1, 0, then after it left layer 0."""
+    plan.forward(100, 100, keep, 5000.0, key=key, measured=True)
+    plan.backward()
+    labels = [("forward", key), *(("layer", key, j) for j in reversed(range(LAYERS))), ("below", key)]
+    plan.end_step(reading, segments=[(None, 0.0), *zip(labels, peaks, strict=True)])
+
+
+def test_the_profile_plans_keep_on_the_segments_and_a_reading_above_it_drops_it():
+    plan = planner()  # 4 layers, 1000 bytes each kept at 100 tokens
+    # Every layer recomputing, the step peaks in layer 0's backward (5000), 2000 above the forward's end; after the
+    # backward (the optimizer's step) more is held, which keep does not change and which is left out.
+    marked_step(plan, object(), 5000.0, [3000.0, 4000.0, 4500.0, 4800.0, 5000.0, 9000.0])
+    assert plan.profiles.get((ladder_bucket(100), 1)).headroom == (2000.0, 1000.0, 500.0, 200.0, 0.0)
+    # 1000 of room: the saved bytes allow one kept layer; on the segments three fit (they add 1000 at the forward's
+    # end and in layer 3's backward, 500 in layer 2's).
+    assert plan.growth([(3, 100, 100)]) == 1000.0 and plan.growth([(4, 100, 100)]) == 2000.0
+    profile = plan.profiles.get((ladder_bucket(100), 1))
+    assert profile.growths([], [1000.0] * LAYERS, LAYERS, 0.0, 100) == [0.0, 0.0, 1000.0, 2000.0]
+    assert plan.count(5000.0, 100, 100, 6000.0, 0) == 3
+    # A step that keeps three peaks above that: the profile was short, the saved bytes plan again, and no step
+    # marks that length again.
+    plan.forward(100, 100, 3, 5000.0)
+    plan.end_step(6500.0)
+    assert plan.profiles.get((ladder_bucket(100), 1)) is None and not plan.wants_profile(100, 100)
+    assert plan.count(5000.0, 100, 100, 6000.0, 0) == 1 and plan.corrections == {}
+
+
+def test_a_profile_takes_out_what_the_measured_steps_kept_layers_held():
+    plan = planner()
+    # The measured step kept the last two layers (1000 each): alive at the forward's end, and layer 2's at layer
+    # 3's backward. Taken out, the profile is the all-recompute one above.
+    marked_step(plan, object(), 6000.0, [5000.0, 5000.0, 4500.0, 4800.0, 5000.0, 9000.0], keep=2)
+    assert plan.profiles.get((ladder_bucket(100), 1)).headroom == (2000.0, 1000.0, 500.0, 200.0, 0.0)
+
+
+def test_a_group_with_a_forward_that_did_not_mark_gives_no_profile():
+    plan = planner()
+    first, second = object(), object()
+    plan.forward(100, 100, 0, 5000.0, key=first, measured=True)
+    plan.forward(100, 100, 0, 5000.0, key=second, measured=False)
+    plan.backward()
+    labels = [("forward", first), *(("layer", first, j) for j in reversed(range(LAYERS))), ("below", first)]
+    plan.end_step(5000.0, segments=[(None, 0.0), *zip(labels, [3e3, 4e3, 4.5e3, 4.8e3, 5e3, 9e3], strict=True)])
+    assert plan.profiles.read == {}  # the second forward's segments would hide in the first one's
+
+
+def ladder_bucket(seq):
+    from autooffload.decide.activations import length_bucket
+
+    return length_bucket(seq)

@@ -212,6 +212,26 @@ class StepPeaks:
             self.cuda.step(0, peak=self.peaks.pop(0), end=GiB)
 
 
+def test_marks_split_a_step_into_segments_and_the_reading_is_still_the_steps_peak():
+    """The keep model's marks on a GPU: each reads the peak of live tensors since the last one and resets torch's
+    counter, so the step's reading must be the largest of the segments, not what the counter says at its end."""
+    cuda = FakeCuda(total=100 * GiB, context=0)
+    probe = NvmlProbe("cuda:0", cuda=cuda, nvml=None)
+    probe.reset()
+    cuda.step(0, 10 * GiB, end=5 * GiB)
+    probe.mark("forward")
+    cuda.step(0, 30 * GiB, end=20 * GiB)  # the peak of the step: in the marked segment
+    probe.mark("layer")
+    cuda.step(0, 22 * GiB, end=4 * GiB)
+    reading = probe.read()
+    assert reading.used_bytes == 30 * GiB
+    assert probe.segments() == [(None, 10 * GiB), ("forward", 30 * GiB), ("layer", 22 * GiB)]
+    probe.reset()
+    cuda.step(0, 8 * GiB, end=4 * GiB)
+    assert probe.read().used_bytes == 8 * GiB and probe.segments() is None  # a step without marks: none
+    assert probe.peak_allocated() == 30 * GiB
+
+
 def test_trainer_peaked_delta_is_the_run_peak_although_the_probe_resets_every_step(tmp_path):
     cuda = FakeCuda()
     callback = AutoOffloadCallback(probe=NvmlProbe(0, cuda=cuda, nvml=FakeNvml(cuda)), policy="hysteresis")

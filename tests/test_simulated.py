@@ -210,6 +210,28 @@ def test_under_trainer_too_the_first_sample_counts_the_optimizer_state_once(tmp_
     assert later and all(first == pytest.approx(other, rel=1e-3) for other in later), (first, later)
 
 
+def test_marks_split_the_step_into_segments_whose_most_is_the_peak():
+    """The keep model's marks: each segment's most held is what the allocator held between two marks, so their
+    largest is the step's peak, and a segment sees what is allocated in it (a block of 1 MB held from one mark to
+    the next raises that segment by it, not the one before)."""
+    window = AllocationPeak()
+    assert window.start()
+    window.mark("a")
+    block = torch.ones(2**18)  # 1 MiB
+    window.mark("b")
+    del block
+    spike = torch.ones(2**19)  # 2 MiB, freed before the next mark
+    del spike
+    window.mark("c")
+    peak = window.stop()
+    labels = [label for label, _ in window.segments]
+    most = dict(window.segments)
+    assert labels == [None, "a", "b", "c"] and peak == max(most.values()) == most["b"]
+    assert most["a"] == most[None] + 2**20 and most["b"] == most["a"] - 2**20 + 2**21 and most["c"] <= most["a"]
+    window.start()
+    assert window.stop() is not None and window.segments is None  # no mark: no segments
+
+
 def test_a_profiler_already_running_falls_back_to_the_saved_count_with_one_warning():
     net = _small()
     device = SimulatedDevice(10**6)

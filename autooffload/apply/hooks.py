@@ -89,37 +89,46 @@ class ForwardHooks:
         self._entry_handles = [handle for module in self.stacks for handle in self._watch(module)]
 
     def _watch(self, module: torch.nn.Module) -> list[Any]:
-        @torch.compiler.disable
+        # Under torch.compile the hooks are traced: each only reads ``active`` there, and runs eagerly (a graph break)
+        # where it has something to do. An entry inside the model's call (the decoder inside a causal LM) then
+        # breaks nothing: a break there split the compiled model into two graphs, the loss apart from the layers
+        # (tests/test_compile.py).
         def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.active is not None:
-                return
-            self.active = entered
-            stacks, deferrable = self.stacks.get(entered), self.deferrable.get(entered, False)
-            deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
-            if deciding is not None:
-                deciding(True)
-            try:
-                enter = self._enter
-                decided = enter(entered, stacks, args, kwargs, deferrable)
-                if self._enter is not enter:  # handed over while deciding (the controller gave up): offered again
-                    decided = self._enter(entered, stacks, args, kwargs, deferrable)
-            finally:
-                if deciding is not None:
-                    deciding(False)
-            if decided is False:
-                self.active = None
+            if self.active is None:
+                self._begin(entered, args, kwargs)
 
-        @torch.compiler.disable
         def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self.active is entered:
-                self.active = None
-                if self._leave is not None:
-                    self._leave(output is None)  # torch hands an always-call hook no output when forward raised
+                self._end(output is None)  # torch hands an always-call hook no output when forward raised
 
         return [
             module.register_forward_pre_hook(before, with_kwargs=True),
             module.register_forward_hook(after, with_kwargs=True, always_call=True),
         ]
+
+    @torch.compiler.disable
+    def _begin(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.active = entered
+        stacks, deferrable = self.stacks.get(entered), self.deferrable.get(entered, False)
+        deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
+        if deciding is not None:
+            deciding(True)
+        try:
+            enter = self._enter
+            decided = enter(entered, stacks, args, kwargs, deferrable)
+            if self._enter is not enter:  # handed over while deciding (the controller gave up): offered again
+                decided = self._enter(entered, stacks, args, kwargs, deferrable)
+        finally:
+            if deciding is not None:
+                deciding(False)
+        if decided is False:
+            self.active = None
+
+    @torch.compiler.disable
+    def _end(self, raised: bool) -> None:
+        self.active = None
+        if self._leave is not None:
+            self._leave(raised)
 
     def remove(self) -> None:
         backward = [self._backward] if self._backward is not None else []

@@ -16,6 +16,11 @@ dtype when the layer ran under autocast (its weights' casts are then part of wha
 runs inside plain checkpointing (the measuring plain function), so that a layer's cost is measured before it
 is first kept.
 
+Both measuring functions also mark the step for the probe (:class:`Marks`): where the forward reaches the first
+layer, where the backward reaches each layer (a hook on the layer's output gradient) and where it leaves the first
+one (a hook on its input's gradient). The probe reports the most the device held between two marks: how a step's
+peak grows with each kept layer is read off these segments (:mod:`autooffload.decide.growth`).
+
 The backward counter tells the keep planner when a backward ran, so that it knows how many forwards were
 alive together (chosen and rejected as two calls before one backward, accumulation by hand): a hook on one
 trainable parameter that fires once its gradient is accumulated, once per backward that reaches it.
@@ -28,12 +33,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..decide.growth import BELOW, FORWARD, LAYER
 from ..guard import StepFaults, in_step, nothing
 from ..observe.saved import SavedBytesCounter, storage_key, tensors_in
 
 START = in_step("a measured layer call's start")
 REPORT = in_step("a measured layer call's report")
 BACKWARD = in_step("the backward counter")
+MARK = in_step("a measured layer call's marks")
 
 
 def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) -> Callable[..., Any]:
@@ -50,6 +57,58 @@ def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) ->
 
 
 Report = Callable[[int, int], None]
+
+
+class Marks:
+    """The marks one measuring layer call makes: ``mark(label)`` with ``(FORWARD, key)`` as the forward reaches the
+    first layer (``position`` 0) and ``(BELOW, key)`` once the backward leaves it, ``(LAYER, key, position)`` as the
+    backward reaches the layer; ``key`` names the call's micro-batch. A hook holds only ``mark`` and the label.
+    Never traced by dynamo (under torch.compile the measuring function's own frame runs eagerly, and what it calls
+    would be compiled: a graph of its own for nothing)."""
+
+    def __init__(self, mark: Callable[[tuple], None] | None, key: object, position: int) -> None:
+        self.mark, self.key, self.position = mark, key, position
+
+    @torch.compiler.disable
+    def enter(self, args: tuple) -> None:
+        if self.mark is None or self.position != 0:
+            return
+        self.mark((FORWARD, self.key))
+        _on_gradient(args, self.mark, (BELOW, self.key))
+
+    @torch.compiler.disable
+    def leave(self, output: Any) -> None:
+        if self.mark is not None:
+            _on_gradient((output,), self.mark, (LAYER, self.key, self.position))
+
+
+def _on_gradient(values: Any, mark: Callable[[tuple], None], label: tuple) -> None:
+    """``mark(label)`` when the gradient of the first tensor in ``values`` that needs one is computed."""
+    tensor = next((t for t in tensors_in(values) if t.requires_grad), None)
+    if tensor is not None:
+        tensor.register_hook(lambda gradient: mark(label))
+
+
+def _no_marks() -> Marks:
+    return Marks(None, None, 0)
+
+
+def _marking(marks: Callable[[], Marks], faults: StepFaults) -> tuple[Callable[..., Marks], Callable[..., None]]:
+    """The shielded ends of a measured call's marks: ``begin(args)`` returns its :class:`Marks` (none where making
+    them failed), ``end(marks, output)``."""
+
+    def begin(args: tuple) -> Marks:
+        mark = marks()
+        mark.enter(args)
+        return mark
+
+    def end(mark: Marks, output: Any) -> None:
+        mark.leave(output)
+
+    return (
+        torch.compiler.disable(faults.shield(MARK, begin, lambda args: _no_marks())),
+        torch.compiler.disable(faults.shield(MARK, end, nothing)),
+    )
 
 
 class _Measure(NamedTuple):
@@ -92,12 +151,15 @@ def measuring_keep_function(
     plain: Callable[..., Any] | None = None,
     state: Any = None,
     faults: StepFaults | None = None,
+    marks: Callable[[], Marks] = _no_marks,
 ) -> Callable[..., Any]:
     """The keep rung that also counts what the layer saved beyond ``excluded()`` (parameters, buffers) and its
     inputs, and calls ``report(bytes, autocast dtype bytes or 0)`` once the layer's forward has run; ``report`` is
-    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to). Retired,
-    ``plain`` checkpointing, as :func:`keep_function`."""
-    start, count, end = _measures(excluded, reporter, faults or StepFaults())
+    ``reporter()``'s, asked at the call (it files the count under the micro-batch the call belongs to). It marks the
+    step with ``marks()``'s :class:`Marks`. Retired, ``plain`` checkpointing, as :func:`keep_function`."""
+    faults = faults or StepFaults()
+    start, count, end = _measures(excluded, reporter, faults)
+    begin_marks, end_marks = _marking(marks, faults)
 
     def checkpoint_keep_measured(function, *args, **call_kwargs):
         if plain is not None and state.retired:
@@ -106,9 +168,11 @@ def measuring_keep_function(
         counter = count(measure, False) if measure is not None else None
         if counter is None:
             return function(*args, **call_kwargs)
+        mark = begin_marks(args)
         with counter:
             output = function(*args, **call_kwargs)
         end(measure, counter)
+        end_marks(mark, output)
         return output
 
     return checkpoint_keep_measured
@@ -119,6 +183,7 @@ def measuring_plain_function(
     excluded: Callable[[], set[tuple[torch.device, int]]],
     reporter: Callable[[], Report],
     faults: StepFaults | None = None,
+    marks: Callable[[], Marks] = _no_marks,
 ) -> Callable[..., Any]:
     """Plain checkpointing (``plain``) that also counts what the layer would keep without it, and reports it as
     the measuring keep function does: inside the checkpoint, the layer's first forward with gradients on (the
@@ -127,12 +192,15 @@ def measuring_plain_function(
     cost is then known before it is ever kept. ``report`` is asked of ``reporter`` at the call, in the forward:
     a reentrant recompute runs in the backward, after later forwards (two forwards before one backward), and its
     count belongs to the forward that called the layer."""
-    start, count, end = _measures(excluded, reporter, faults or StepFaults())
+    faults = faults or StepFaults()
+    start, count, end = _measures(excluded, reporter, faults)
+    begin_marks, end_marks = _marking(marks, faults)
 
     def checkpoint_plain_measured(function, *args, **call_kwargs):
         measure = start(function, args, call_kwargs)
         if measure is None:
             return plain(function, *args, **call_kwargs)
+        mark = begin_marks(args)
         done = []
 
         def counted(*inner_args, **inner_kwargs):
@@ -147,7 +215,9 @@ def measuring_plain_function(
             end(measure, counter)
             return output
 
-        return plain(counted, *args, **call_kwargs)
+        output = plain(counted, *args, **call_kwargs)
+        end_marks(mark, output)
+        return output
 
     return checkpoint_plain_measured
 

@@ -42,7 +42,7 @@ from .engines import OffloadEngine, make_engine
 from .forward import ForwardState, LayerCalls
 from .functions import dispatch_function, eager_frame, offload_function, plain_function
 from .host_memory import HostMemory
-from .keep import keep_function, measuring_keep_function, measuring_plain_function
+from .keep import Marks, keep_function, measuring_keep_function, measuring_plain_function
 from .layer_inputs import argument_names
 from .offload import OffloadStats
 
@@ -101,6 +101,7 @@ class CheckpointSwitch:
         frames: CompiledFrames | None = None,
         foreign: Sequence[Foreign] = (),
         faults: StepFaults | None = None,
+        on_mark: Callable[[tuple], None] | None = None,
     ) -> None:
         self.targets = targets
         self._foreign = [(f.module, f.attribute, f.function) for f in foreign]
@@ -110,7 +111,7 @@ class CheckpointSwitch:
         self._whole = 0  # micro-batches planned in a row without eager-frame functions
         eager = eager_frame if compiled else (lambda function: function)
         self.stats = stats
-        self.on_first_call, self.on_measured = on_first_call, on_measured
+        self.on_first_call, self.on_measured, self.on_mark = on_first_call, on_measured, on_mark
         held = {(id(m), a) for m, a, _ in self._foreign}
         dormant = [(m, a) for m, a in watched or [] if (id(m), a) not in held] if not targets else []
         self._dormant = [(m, a, getattr(m, a, None)) for m, a in dormant]
@@ -149,6 +150,7 @@ class CheckpointSwitch:
                         retired[i],
                         self.forward,
                         faults,
+                        functools.partial(self._marks, i),
                     )
                 ),
                 s.target,
@@ -163,6 +165,7 @@ class CheckpointSwitch:
                         functools.partial(parameter_storages, [s.target.module]),
                         functools.partial(self._reporter, i),
                         faults,
+                        functools.partial(self._marks, i),
                     )
                 ),
                 s.target,
@@ -236,7 +239,7 @@ class CheckpointSwitch:
             return
         self._whole += 1
         if self._whole >= RESUME_AFTER and self.frames is not None and self.frames.given_up:
-            self.frames.resume()
+            self.frames.resume(recompile=True)
 
     def _first_call(self, position: int, nbytes: int, shape: tuple[int, int] | None = None) -> None:
         """Layer ``position``'s first call in a micro-batch saves an input of ``nbytes``; 0 where the call passes no
@@ -278,6 +281,10 @@ class CheckpointSwitch:
                 self.on_measured(position, nbytes, cast_bytes, batch)
 
         return report
+
+    def _marks(self, position: int) -> Marks:
+        """At a measuring layer call: the marks it makes (``on_mark``), naming the micro-batch the call belongs to."""
+        return Marks(self.on_mark, self.forward.batch, position)
 
     def new_forward(self) -> None:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
@@ -344,7 +351,7 @@ class CheckpointSwitch:
         watched = [(t.module, t.attribute) for t in self.targets] or [(m, a) for m, a, _ in self._dormant]
         switch = CheckpointSwitch(
             targets, self.stats, self.engine, self.warn, None, watched, on_first_call, on_measured, self.frames,
-            foreign, self.faults,
+            foreign, self.faults, self.on_mark,
         )  # fmt: skip
         switch.forward.open = self.forward.open  # rebuilt as a forward begins: its end settles what it defers
         return switch

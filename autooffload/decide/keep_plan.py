@@ -5,10 +5,10 @@ The controller asks it, per micro-batch, how many of the last checkpointed layer
 (:meth:`~KeepPlanner.backward`), what a kept layer saved (:meth:`~KeepPlanner.measured`) and, at a step's end, the
 reading (:meth:`~KeepPlanner.end_step`). Three things make its plan right by construction:
 
-- **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`, constant term included):
-  keeping the last ``m`` layers adds the sum of those ``m`` layers' bytes; a layer not measured yet costs the
-  most any measured layer costs at that length, scaled up by its share of matrix weights, and never less than
-  its seed;
+- **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`, constant term included),
+  and what the kept layers add to the real peak read off the step's segments at that length where a profile was
+  read (:mod:`~autooffload.decide.growth`), else their sum; a layer not measured yet costs the most any measured
+  layer costs at that length, scaled up by its share of matrix weights, and never less than its seed;
 - **every forward alive before one backward** (chosen and rejected as two calls, contrastive losses, accumulation
   by hand): forwards are counted between backwards, the most alive together over the recent steps is learned,
   and a forward's plan leaves room for what the forwards before it kept and for the ones still to come; where
@@ -18,20 +18,14 @@ reading (:meth:`~KeepPlanner.end_step`). Three things make its plan right by con
   nothing (the all-recompute peak is only known up to there).
 
 And the reading corrects it (closed loop): after every clean step that kept layers, the reading is compared
-with the plan's prediction (the all-recompute peak plus the kept bytes of the forwards alive together). A miss
-(the reading above it) is charged to the micro-batch that caused it, the forwards alive together that the plan
-predicted highest: where those kept nothing, the all-recompute peak was short, which the policy learns from the
-reading, and keep is not corrected (with gradient accumulation a long micro-batch that kept nothing otherwise
-charged its miss to a short one that kept layers). A miss charged to a forward that kept adds what the reading
-showed missing to every kept forward at that length and at nearby ones (half to twice the tokens), before the
-next micro-batch (a constant: what the layers' counts cannot see, an attention mask the kept layers save and the
-checkpointed ones only reference, lies outside any one layer); a miss where a correction already applied widens
-the margin by one more margin (up to ``MISS_LIMIT``). A correction is eased half way back towards what the
-readings show after every clean step that kept at its lengths without a miss, and one that no clean step tests
-(it forbids keep at its lengths, so none keeps there) halves every ``CALM_STEPS`` clean steps until keep is tried
-there again; the margin narrows again after ``CALM_STEPS`` clean steps without a miss: keep never stays off for
-good because of one inflated sample. The reading the policy learns from is the step's less what the corrected
-model says its kept layers added.
+with the plan's prediction (the all-recompute peak plus what the kept layers of the forwards alive together add,
+:mod:`~autooffload.decide.growth`). A miss (the reading above it) is charged to the micro-batch that caused it, the
+forwards alive together that the plan predicted highest: where those kept nothing, the all-recompute peak was
+short, which the policy learns from the reading, and keep is not corrected (with gradient accumulation a long
+micro-batch that kept nothing otherwise charged its miss to a short one that kept layers). Where the prediction
+came from a profile, the profile is dropped first; what the sum of the saved bytes still misses is corrected
+(:mod:`~autooffload.decide.corrections`). The reading the policy learns from is the step's less what the
+corrected model says its kept layers added.
 
 Bounded, however long the run and however many distinct lengths it meets: one measurement per layer and bucket
 of sequence lengths (:func:`~autooffload.decide.activations.length_bucket`), one correction per bucket of
@@ -47,16 +41,15 @@ from typing import Any
 
 from . import ladder
 from .activations import KeptLayerModel, LayerShape, length_bucket
+from .corrections import CALM_STEPS, MISS_LIMIT, Corrections
+from .growth import Profile, Profiles, read_profile
 
-MISS_LIMIT = 4  # the margin grows to at most (1 + MISS_LIMIT) margins after repeated under-predictions
-CALM_STEPS = 16  # clean steps that kept without a miss before the margin narrows by one
+__all__ = ["CALM_STEPS", "MISS_LIMIT", "Forward", "KeepPlanner"]
+
 ALIVE_WINDOW = 16  # steps over which the most forwards alive together is remembered
-REACH = 2.0  # a correction at t tokens applies from t / REACH to t x REACH tokens
 # A reading above the prediction by less than this fraction of it is the prediction (a peak predicted to the byte
 # in floating point, or the all-recompute fit moving by a few bytes as it learns), not an under-prediction.
 MISS_TOLERANCE = 1e-3
-# A correction that no clean step tested for CALM_STEPS is halved; below this many bytes it is dropped.
-CORRECTION_FLOOR = 4096.0
 
 
 @dataclasses.dataclass
@@ -66,10 +59,12 @@ class Forward:
     tokens: int
     seq: int
     keep: int
-    kept_bytes: float
     plain: float | None
     footprint: float = 0.0  # what it holds until its backward with every layer recomputing, beyond the weights
     beyond: float = 0.0  # the footprints of earlier forwards alive with it that the prediction does not cover
+    key: object = None  # how its marks name it (the controller's micro-batch)
+    measured: bool = False  # it counted its layers and marked the step (a profile's segments)
+    growth: float = 0.0  # what the plan said its group's kept layers add to the peak, with it the last forward
 
 
 class KeepPlanner:
@@ -78,10 +73,7 @@ class KeepPlanner:
     def __init__(self) -> None:
         self.layers: list[KeptLayerModel] = []
         self.alive = 1  # forwards alive together before one backward: the most over the recent steps
-        self.corrections: dict[int, float] = {}  # tokens -> bytes a kept forward adds beyond the layers' counts
-        self._untested: dict[int, int] = {}  # tokens of a correction -> clean steps since one tested it
-        self.misses = 0  # under-predictions not yet calmed: each widens the margin by one margin
-        self.calm = 0
+        self.closed_loop = Corrections()  # what the readings showed missing, and the margin's width
         self.longest_read_tokens = 0
         self.reading_kept_bytes = 0.0
         self._recent_alive: list[int] = []
@@ -89,6 +81,9 @@ class KeepPlanner:
         self._groups: list[list[Forward]] = []  # this step's closed groups
         self._version = 0  # counts changes of the layers' models: the sizes of a length are cached until one
         self._costs: tuple[int, int, int, list[float | None]] | None = None  # (version, tokens, seq, per layer)
+        self.profiles = Profiles()  # the steps' segments, per bucket of lengths and forwards alive together
+        self.segmented = True  # the probe reads segments (until a marked step shows it does not)
+        self.compiled = False  # under torch.compile the profiles are not read (the measured step is not the timed one)
 
     # ---- the model --------------------------------------------------------------------------------------
 
@@ -134,9 +129,18 @@ class KeepPlanner:
         """What keeping layer ``position`` adds at this length, before corrections; None when nothing is known."""
         return self.layer_costs(tokens, seq)[position]
 
+    @property
+    def corrections(self) -> dict[int, float]:
+        """Tokens -> bytes a kept forward adds beyond the layers' counts, as the readings showed."""
+        return self.closed_loop.by_tokens
+
+    @property
+    def misses(self) -> int:
+        return self.closed_loop.misses
+
     def extra(self, tokens: int) -> float:
         """The bytes per kept forward the readings showed missing at this length or a nearby one (0: none)."""
-        return max((extra for t, extra in self.corrections.items() if _reaches(t, tokens)), default=0.0)
+        return self.closed_loop.extra(tokens)
 
     def kept_bytes(self, keep: int, tokens: int, seq: int) -> float | None:
         """What keeping the last ``keep`` layers adds for one forward at this length, corrections included."""
@@ -177,22 +181,65 @@ class KeepPlanner:
         """
         if tokens <= 0 or tokens > self.longest_read_tokens or not self.layers:
             return 0
-        held = self.held()
+        earlier = [(f.keep, f.tokens, f.seq) for f in self._group]
         expected = max(self.alive - len(self._group), 1)
-        extra = self.extra(tokens)
-        cumulative, added = [], 0.0
-        for cost in reversed(self.layer_costs(tokens, seq)):
-            if cost is None:
-                break
-            added += cost
-            cumulative.append(expected * (added + extra))
+        costs, extra = self.layer_costs(tokens, seq), self.extra(tokens)
+        most = next((m for m in range(len(costs)) if costs[-1 - m] is None), len(costs))  # layers with a cost
+        profile = self._profile([*earlier, *[(1, tokens, seq)] * expected])
+        if profile is not None:
+            kept = [self._kept_layers(*forward) for forward in earlier]
+            cumulative = profile.growths(kept, [c or 0.0 for c in costs], most, extra, tokens)
+        else:  # the sum of what the kept layers save
+            held, added, cumulative = self.growth(earlier), 0.0, []
+            for cost in reversed(costs[len(costs) - most :]):
+                added += cost  # type: ignore[operator]
+                cumulative.append(held + expected * (added + extra))
         widened = margin * (1 + self.misses)
-        return ladder.keep(predicted + held, cumulative, len(self.layers), limit, widened, levels)
+        return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
+
+    def growth(self, forwards: list[tuple[int, int, int]]) -> float:
+        """What the kept layers of ``forwards`` alive together, each ``(keep, tokens, seq)``, add to their peak: read
+        off their length's profile (:mod:`autooffload.decide.growth`) where one was read for as many forwards, else
+        the sum of what each kept layer saves, corrections included."""
+        kept = [self._kept_layers(keep, tokens, seq) for keep, tokens, seq in forwards]
+        profile = self._profile(forwards)
+        if profile is None:
+            return sum(map(sum, kept))
+        return profile.growth(kept, max(tokens for _, tokens, _ in forwards))
+
+    def _kept_layers(self, keep: int, tokens: int, seq: int, extra: bool = True) -> list[float]:
+        """Per layer, what it holds kept by a forward that keeps the last ``keep`` layers (0 where it recomputes); the
+        forward's correction (``extra``) on its lowest kept layer, alive whenever any of them is."""
+        layers = len(self.layers)
+        keep = max(0, min(keep, layers))
+        values = [0.0] * layers
+        if keep:
+            costs = self.layer_costs(tokens, seq)
+            for position in range(layers - keep, layers):
+                values[position] = costs[position] or 0.0
+            values[layers - keep] += self.extra(tokens) if extra else 0.0
+        return values
+
+    def _profile_key(self, forwards: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+        buckets = {length_bucket(seq) for _, _, seq in forwards}
+        usable = self.segmented and not self.compiled and len(buckets) == 1
+        return (buckets.pop(), len(forwards)) if usable else None
+
+    def _profile(self, forwards: list[tuple[int, int, int]]) -> Profile | None:
+        key = self._profile_key(forwards)
+        return self.profiles.get(key) if key is not None else None
+
+    def wants_profile(self, tokens: int, seq: int) -> bool:
+        """Whether this forward should mark the step: its length has no profile for the forwards alive together, or
+        an earlier forward of its group marks (a group's profile needs every forward's marks)."""
+        if not self.segmented or self.compiled or tokens <= 0 or not self.layers:
+            return False
+        return any(f.measured for f in self._group) or self.profiles.wants((length_bucket(seq), self.alive))
 
     def held(self) -> float:
-        """What the forwards alive since the last backward hold beyond the prediction for the next one: their kept
-        layers, and the footprints the prediction does not cover (:meth:`beyond`)."""
-        return sum(f.kept_bytes for f in self._group) + self.beyond()
+        """What the forwards alive since the last backward hold beyond the prediction for the next one: what their
+        kept layers add (:meth:`growth`), and the footprints the prediction does not cover (:meth:`beyond`)."""
+        return self.growth([(f.keep, f.tokens, f.seq) for f in self._group]) + self.beyond()
 
     def beyond(self) -> float:
         """The footprints of the forwards alive since the last backward that the prediction does not cover: it was
@@ -203,12 +250,23 @@ class KeepPlanner:
             return 0.0
         return sum(sorted((f.footprint for f in self._group), reverse=True)[:extra])
 
-    def forward(self, tokens: int, seq: int, keep: int, plain: float | None, footprint: float = 0.0) -> None:
+    def forward(
+        self,
+        tokens: int,
+        seq: int,
+        keep: int,
+        plain: float | None,
+        footprint: float = 0.0,
+        key: object = None,
+        measured: bool = False,
+    ) -> None:
         """The forward about to run keeps the last ``keep`` layers; ``plain``: the all-recompute peak predicted;
         ``footprint``: what it holds until its backward, every layer recomputing (its checkpointed inputs, logits
-        and loss graph), as the config's per-token terms estimate it."""
-        kept = self.kept_bytes(keep, tokens, seq) or 0.0
-        self._group.append(Forward(tokens, seq, keep, kept, plain, footprint, self.beyond()))
+        and loss graph), as the config's per-token terms estimate it; ``key``: how its marks name it; ``measured``:
+        it counts its layers and marks the step."""
+        growth = self.growth([*[(f.keep, f.tokens, f.seq) for f in self._group], (keep, tokens, seq)])
+        beyond = self.beyond()
+        self._group.append(Forward(tokens, seq, keep, plain, footprint, beyond, key, measured, growth))
 
     def backward(self) -> None:
         """A backward ran: the forwards before it are freed."""
@@ -223,9 +281,12 @@ class KeepPlanner:
 
     # ---- the reading ----------------------------------------------------------------------------------
 
-    def end_step(self, reading: float | None, clean: bool = True) -> None:
+    def end_step(
+        self, reading: float | None, clean: bool = True, segments: list[tuple[Any, float]] | None = None
+    ) -> None:
         """Close a step: learn the forwards alive together, compare the reading with the plan (``clean``: the
-        reading is a sample of training alone), and set :attr:`reading_kept_bytes`."""
+        reading is a sample of training alone), read the profiles of the groups that marked it (``segments``: the
+        probe's, :func:`~autooffload.decide.growth.read_profile`), and set :attr:`reading_kept_bytes`."""
         groups = [*self._groups, *([self._group] if self._group else [])]
         self._groups, self._group = [], []
         if groups:
@@ -235,17 +296,34 @@ class KeepPlanner:
             self.longest_read_tokens = max(self.longest_read_tokens, max(f.tokens for g in groups for f in g))
         predicted = [(self._predicted(g), g) for g in groups]
         if reading is not None and clean and predicted:
-            self._age_corrections(self._compare(reading, predicted))
+            self.closed_loop.age(self._compare(reading, predicted))
+        if self.segmented and not self.compiled and any(f.measured for g in groups for f in g):
+            self.segmented = segments is not None  # None: the probe reads no segments
+            for group in groups if segments is not None and clean else ():
+                self._read_profile(group, segments)
         # The forwards the plan expected at the peak; one planned without a prediction (an offloading or a longer
         # micro-batch than any reading covered) may hold it: then what the kept ones added is not subtracted.
         peak = max(predicted, key=_highest, default=None)
         self.reading_kept_bytes = self._kept_now(peak[1]) if peak is not None and peak[0] is not None else 0.0
 
+    def _read_profile(self, group: list[Forward], segments: list[tuple[Any, float]]) -> None:
+        """A group whose every forward marked the step: its profile, at its length and number of forwards."""
+        forwards = [(f.keep, f.tokens, f.seq) for f in group]
+        key = self._profile_key(forwards)
+        if key is None or not any(f.measured for f in group) or not self.profiles.wants(key):
+            return
+        self.profiles.tried(key)
+        kept = [self._kept_layers(f.keep, f.tokens, f.seq, extra=False) for f in group]
+        tokens = max(f.tokens for f in group)
+        profile = read_profile(segments, [f.key for f in group], len(self.layers), kept, tokens)
+        if profile is not None and all(f.measured for f in group):
+            self.profiles.add(key, profile)
+
     @staticmethod
-    def _predicted(group: list[Forward]) -> float | None:
+    def _predicted(group: list[Forward], growth: float | None = None) -> float | None:
         plains = [f.plain for f in group if f.plain is not None]
         beyond = max((f.beyond for f in group), default=0.0)
-        return max(plains) + sum(f.kept_bytes for f in group) + beyond if plains else None
+        return max(plains) + (group[-1].growth if growth is None else growth) + beyond if plains else None
 
     def _compare(self, reading: float, predicted: list[tuple[float | None, list[Forward]]]) -> set[int]:
         """Compare a clean reading with the plan of a step; returns the corrections it tested (those reaching the
@@ -256,66 +334,34 @@ class KeepPlanner:
         kept = [(total, g) for total, g in predicted if any(f.keep for f in g)]
         if not kept:
             return set()
-        tested = {t for t in self.corrections for _, g in kept for f in g if f.keep and _reaches(t, f.tokens)}
+        tested = {t for _, g in kept for f in g if f.keep for t in self.closed_loop.reaching(f.tokens)}
         total, group = max(predicted, key=_highest)
         if total is None:
             return tested
         if reading > total * (1 + MISS_TOLERANCE):
+            forwards_kept = [(f.keep, f.tokens, f.seq) for f in group]
+            key = self._profile_key(forwards_kept)
+            if any(f.keep for f in group) and key is not None and self.profiles.get(key) is not None:
+                self.profiles.distrust(key)  # the profile was short: the sum of what the layers save plans there
+                total = self._predicted(group, sum(map(sum, (self._kept_layers(*f) for f in forwards_kept))))
+                if total is None or reading <= total * (1 + MISS_TOLERANCE):
+                    return tested
             if any(f.keep for f in group):  # else the all-recompute peak was short: the policy's to learn
                 tokens, forwards = max(f.tokens for f in group), sum(1 for f in group if f.keep)
-                used = self.extra(tokens)
-                if used > 0:
-                    self.misses = min(self.misses + 1, MISS_LIMIT)
-                self._correct(tokens, used + (reading - total) / forwards)
-                self.calm = 0
+                self.closed_loop.missed(tokens, (reading - total) / forwards)
             return tested
-        self.calm += 1
-        if self.misses and self.calm >= CALM_STEPS:
-            self.misses, self.calm = self.misses - 1, 0
-        shown: dict[int, float] = {}
+        needed: dict[int, float] = {}
         for total, g in kept:
             tokens, forwards = max(f.tokens for f in g), sum(1 for f in g if f.keep)
-            needed = max(self.extra(tokens) + (reading - total) / forwards, 0.0)  # type: ignore[operator]
-            for t in self.corrections:
-                if _reaches(t, tokens):
-                    shown[t] = max(shown.get(t, 0.0), needed)  # at most what the group needed, per kept forward
-        for t, needed in shown.items():
-            eased = (self.corrections[t] + min(needed, self.corrections[t])) / 2
-            if eased < 1.0:
-                self._drop(t)
-            else:
-                self.corrections[t] = eased
+            need = max(self.extra(tokens) + (reading - total) / forwards, 0.0)  # type: ignore[operator]
+            for t in self.closed_loop.reaching(tokens):
+                needed[t] = max(needed.get(t, 0.0), need)  # at most what the group needed, per kept forward
+        self.closed_loop.clean(needed)
         return tested
 
-    def _correct(self, tokens: int, shown: float) -> int:
-        """Raise the correction at ``tokens`` (or the one in its bucket) to at least ``shown``; returns its key."""
-        bucket = length_bucket(tokens)
-        key = next((t for t in self.corrections if length_bucket(t) == bucket), tokens)
-        self.corrections[key] = max(self.corrections.get(key, 0.0), shown)
-        self._untested[key] = 0
-        return key
-
-    def _age_corrections(self, tested: set[int]) -> None:
-        """A clean step ended: a correction it did not test halves every ``CALM_STEPS`` such steps, so that one
-        which forbids keep at its lengths (and so is never tested there) does not forbid it for good."""
-        for t in list(self.corrections):
-            if t in tested:
-                self._untested[t] = 0
-                continue
-            self._untested[t] = self._untested.get(t, 0) + 1
-            if self._untested[t] >= CALM_STEPS:
-                self._untested[t] = 0
-                self.corrections[t] /= 2
-                if self.corrections[t] < CORRECTION_FLOOR:
-                    self._drop(t)
-
-    def _drop(self, tokens: int) -> None:
-        del self.corrections[tokens]
-        self._untested.pop(tokens, None)
-
     def _kept_now(self, group: list[Forward]) -> float:
-        """What the group's kept layers added, by the model as corrected now."""
-        return sum(self.kept_bytes(f.keep, f.tokens, f.seq) or f.kept_bytes for f in group)
+        """What the group's kept layers added to its peak, by the model as corrected now."""
+        return self.growth([(f.keep, f.tokens, f.seq) for f in group])
 
     # ---- resume ---------------------------------------------------------------------------------------
 
@@ -323,11 +369,11 @@ class KeepPlanner:
         return {
             "layers": [model.state_dict() for model in self.layers],
             "alive": self._recent_alive,
-            "corrections": [[t, f, self._untested.get(t, 0)] for t, f in self.corrections.items()],
-            "misses": self.misses,
-            "calm": self.calm,
+            **self.closed_loop.state_dict(),
             "longest_read_tokens": self.longest_read_tokens,
             "reading_kept_bytes": self.reading_kept_bytes,
+            "profiles": self.profiles.state_dict(),
+            "segmented": self.segmented,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -341,21 +387,16 @@ class KeepPlanner:
                 model.load_state_dict(saved)
         self._recent_alive = [int(n) for n in state.get("alive", [])]
         self.alive = max(self._recent_alive, default=1)
-        self.corrections, self._untested = {}, {}
-        for t, f, *untested in state.get("corrections", []):
-            self._untested[self._correct(int(t), float(f))] = int(untested[0]) if untested else 0
-        self.misses = int(state.get("misses", 0))
-        self.calm = int(state.get("calm", 0))
+        self.closed_loop = Corrections()
+        self.closed_loop.load_state_dict(state)
         self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
         self.reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
+        self.profiles = Profiles()
+        self.profiles.load_state_dict(state.get("profiles") or {})
+        self.segmented = self.segmented and bool(state.get("segmented", True))
         self._version += 1
 
 
 def _highest(entry: tuple[float | None, list[Forward]]) -> float:
     """Orders groups by their predicted peak; one without a prediction first (it may hold the peak)."""
     return math.inf if entry[0] is None else entry[0]
-
-
-def _reaches(correction_tokens: int, tokens: int) -> bool:
-    """A correction at ``correction_tokens`` applies to ``tokens`` (from half to twice them: ``REACH``)."""
-    return correction_tokens / REACH <= tokens <= correction_tokens * REACH

@@ -73,6 +73,7 @@ class Planner:
         self.latched = False
         self.policy_failed = False
         self.keep = KeepPlanner()  # the ladder's keep rung (recompute="auto"), for the same layers
+        self.keep.compiled = self.compiled
         if self.keep_seed is not None:
             self.keep.configure(*self.keep_seed)
         self.keep_plain: float | None = None  # the all-recompute peak the last keep plan was made from
@@ -95,6 +96,7 @@ class Planner:
         self.token_terms = (layout.logits_token_bytes, layout.work_token_bytes)
         self.keep_seed = (list(layout.layer_weights), layout.weight_bytes, layout.layer_shape)
         self.keep.configure(*self.keep_seed)
+        self.keep.compiled = compiled
         if self.compiled and self.budget.exhausted and self.settings.mode == "auto":
             self._latch()
 
@@ -158,9 +160,10 @@ class Planner:
         # under a budget that needs offload, that can be the step's peak. Where anything offloads nothing keeps at
         # that length anyway, so only a micro-batch that offloads nothing counts.
         measure = self.settings.recompute == "auto" and self.stacks <= 1 and level == 0
-        measure = measure and self.keep.wants(level, tokens, seq_len)
+        measure = measure and (self.keep.wants(level, tokens, seq_len) or self.keep.wants_profile(tokens, seq_len))
         footprint = tokens * slope_terms(self.layers, tokens, sized.bytes_per_layer, *self.token_terms)[1]
-        self.keep.forward(tokens, seq_len, max(0, min(keep, self.layers - level)), self.keep_plain, footprint)
+        kept = max(0, min(keep, self.layers - level))
+        self.keep.forward(tokens, seq_len, kept, self.keep_plain, footprint, batch, measure)
         predicted = predicted_peak(self.policy, tokens, sized.bytes_per_layer)
         switched = level != installed[0] and not first
         self.last_reason = reason
@@ -307,11 +310,11 @@ class Planner:
         """A rescue reruns the step from its start: what its forwards so far were planned to hold is gone."""
         self.keep.rerun()
 
-    def end_step(self, peak_bytes: float | None, clean: bool) -> None:
-        """The step's peak as the probe read it (None: none), and whether it is a sample of training alone: the
-        keep planner compares it with its plan."""
+    def end_step(self, peak_bytes: float | None, clean: bool, segments: list[tuple[Any, float]] | None = None) -> None:
+        """The step's peak as the probe read it (None: none), whether it is a sample of training alone, and its
+        segments where it was marked: the keep planner compares the peak with its plan and reads the segments."""
         self.settle()
-        self.keep.end_step(peak_bytes, clean=clean)
+        self.keep.end_step(peak_bytes, clean=clean, segments=segments)
 
     def _latch(self) -> None:
         self.latched = True

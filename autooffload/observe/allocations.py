@@ -19,6 +19,10 @@ is counted (the CPU's backward runs in the caller's thread); a block allocated b
 inside one lowers nothing (its size is unknown to the report), so the peak errs high by such blocks, while one
 allocated inside an earlier window and freed inside this one lowers it (the report knows it): collect garbage
 before opening a window (:class:`~autooffload.observe.simulated.SimulatedDevice` does).
+
+Marks split a window into segments (:meth:`AllocationPeak.mark`): each is a record-function event in the same
+stream as the allocations, so the most held between two marks is known to the event, for the keep model's reading
+of where a step peaks (:mod:`autooffload.decide.growth`).
 """
 
 from __future__ import annotations
@@ -43,17 +47,37 @@ def available() -> bool:
     return hasattr(autograd, "_enable_profiler_legacy") and hasattr(autograd, "_disable_profiler_legacy")
 
 
+MARK = "autooffload::mark"
+
+
+def _counted(event: Any, marked: bool) -> bool:
+    kind = event.kind()
+    return kind == "memory_alloc" or (marked and kind == "push" and event.name() == MARK)
+
+
 class AllocationPeak:
     """Opens and closes windows over which the CPU allocator's peak is counted (module docs).
 
     ``start()`` opens one (False where it cannot: a profiler already runs, or this torch lacks the entry
     points); ``stop()`` closes it and returns the most bytes held above the start at any moment in it, and
     ``last_end``: what was still held above the start at its end (both None when no window was open).
+    ``mark(label)`` inside a window starts a segment; ``segments``, after ``stop()``: per segment in time order,
+    ``(label, most bytes held above the window's start in it)``, the first labelled None (None: no mark).
     """
 
     def __init__(self) -> None:
         self.active = False
         self.last_end: int | None = None
+        self.segments: list[tuple[Any, int]] | None = None
+        self._labels: list[Any] = []
+
+    @torch.compiler.disable
+    def mark(self, label: Any) -> None:
+        if not self.active:
+            return
+        self._labels.append(label)
+        handle = torch.ops.profiler._record_function_enter_new(MARK, None)
+        torch.ops.profiler._record_function_exit._RecordFunction(handle)
 
     def start(self) -> bool:
         if self.active:
@@ -65,6 +89,7 @@ class AllocationPeak:
         except RuntimeError:  # "Profiler is already enabled on this thread": someone else's
             return False
         self.active = True
+        self._labels, self.segments = [], None
         return True
 
     def stop(self) -> int | None:
@@ -75,12 +100,20 @@ class AllocationPeak:
         return self._peak(events)
 
     def _peak(self, threads: list[list[Any]]) -> int:
-        memory = [[e for e in thread if e.kind() == "memory_alloc"] for thread in threads]
+        marked = bool(self._labels)
+        events = [[e for e in thread if _counted(e, marked)] for thread in threads]
         held = peak = 0
-        for event in heapq.merge(*memory, key=lambda e: e.start_us()):
+        labels, segments = iter(self._labels), [[None, 0]]
+        for event in heapq.merge(*events, key=lambda e: e.start_us()):
+            if event.kind() == "push":
+                segments.append([next(labels, None), held])
+                continue
             held += event.cpu_memory_usage()
             peak = max(peak, held)
+            segments[-1][1] = max(segments[-1][1], held)
         self.last_end = held
+        self.segments = [(label, most) for label, most in segments] if marked else None
+        self._labels = []
         return peak
 
     def close(self) -> None:

@@ -74,6 +74,8 @@ class MemoryMonitor:
         self.before_optimizer: int | None = None  # the step's peak so far, read before the optimizer's first step
         self._optimizer_hook: Any = None
         self.tried_bytes: int | None = None  # the allocation the running step failed on
+        self.segments: list[tuple[Any, float]] | None = None  # the last step's, where it was marked (mark)
+        self.marking = True  # the probe's marks work (one that raised is not asked again)
 
     def attach(self, model: torch.nn.Module, devices: tuple[torch.device, ...], optimizer: Any, settings: Any) -> None:
         """Make the probe for ``model`` on ``devices`` and hand it the model where it counts the model itself."""
@@ -188,12 +190,26 @@ class MemoryMonitor:
         unless the probe's ``reset()`` at the next step's start keeps that work out of it."""
         self.side_work = True
 
+    def mark(self, label: Any) -> None:
+        """Start a segment of the running step's reading here, where the probe reads segments (``mark(label)`` and
+        ``segments()``): the keep model's marks (:class:`~autooffload.apply.keep.Marks`). Called from a hook inside
+        the backward, so nothing may raise: a probe whose mark fails is not asked again, with one warning."""
+        mark = getattr(self.probe, "mark", None) if self.marking else None
+        if mark is None:
+            return
+        try:
+            mark(label)
+        except Exception as error:
+            self.marking = False
+            self.warn("probe-mark", f"memory probe mark failed ({error!r}); kept layers are planned at what they save")
+
     def end_step(self) -> float | None:
         """Read the step's peak; returns the reading in bytes as the probe gave it (None: none), before a rescued
         step's is raised to what it needed (:attr:`last` holds that)."""
         rescued, self.begun, self.rescuing = self.rescuing, False, False
         self._unwatch_optimizer()
         fraction, used, total = self._read()
+        self.segments = self._segments() if fraction is not None else None
         measured = used if fraction is not None else None
         pending = self._pending_optimizer_bytes(measured)
         if fraction is not None:
@@ -226,6 +242,19 @@ class MemoryMonitor:
         finally:
             self.read_seconds += time.perf_counter() - began
         return used / total, used, total
+
+    def _segments(self) -> list[tuple[Any, float]] | None:
+        """The step's segments: None where the probe reads none (no ``segments()``, or its marks failed), [] where it
+        has none for this step (nothing marked)."""
+        segments = getattr(self.probe, "segments", None) if self.marking else None
+        if not callable(segments) or not callable(getattr(self.probe, "mark", None)):
+            return None
+        try:
+            return [(label, float(peak)) for label, peak in segments() or ()]
+        except Exception as error:
+            self.marking = False
+            self.warn("probe-mark", f"memory probe segments failed ({error!r}); kept layers planned at what they save")
+            return None
 
     def _pending_optimizer_bytes(self, used: int | None) -> int:
         """Optimizer state the next steps hold through their backward that the step just read (``used`` bytes)

@@ -28,6 +28,9 @@ Which signal, when:
   policy switches offload on and the predictive one plans more offload for that length.
 - Several devices in one process (``device_map="auto"``): every device the parameters are on is read, and
   the reading is the fullest one's (by fraction).
+- Segments (the keep model's marks, :mod:`autooffload.decide.growth`): on one device, a mark reads the peak of
+  live tensors since the last one and resets torch's counter; the step's reading is the largest of them and the
+  counter at its end, as without marks.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ class NvmlProbe:
         self._handles = {index: self._nvml_handle(index) for index in self.devices}
         self.sources = {index: "nvml" if self._handles[index] is not None else "mem_get_info" for index in self.devices}
         self._run_peak = dict.fromkeys(self.devices, 0)
+        self._step_peak = dict.fromkeys(self.devices, 0)  # the most a step's marked segments peaked at, so far
+        self._segments: list[tuple[object, int]] = []  # the running step's closed segments
+        self._label: object = None  # the running segment's mark
+        self._last_segments: list[tuple[object, int]] | None = None
         self._retries: dict[int, int] = {}
         for index in self.devices:
             self._device_memory(index)
@@ -132,6 +139,12 @@ class NvmlProbe:
 
     def read(self) -> MemoryReading | None:
         readings = [self._read_device(index) for index in self.devices]
+        self._last_segments = None
+        if self._segments:  # the step was marked: its last segment ends here
+            self._last_segments = [
+                *self._segments,
+                (self._label, int(self._cuda.max_memory_allocated(self.devices[0]))),
+            ]
         self._reset_peaks()
         return max(readings, key=lambda reading: reading.fraction)
 
@@ -143,6 +156,22 @@ class NvmlProbe:
         """Start the peak (and the retry count) here: at a step's start, so what ran between steps (evaluation,
         checkpoint saving) is not in its reading. The run's peak keeps what came before."""
         self._reset_peaks()
+
+    def mark(self, label: object) -> None:
+        """A segment of the step begins here (one device only; with several, nothing is marked)."""
+        if len(self.devices) != 1:
+            return
+        index = self.devices[0]
+        peak = int(self._cuda.max_memory_allocated(index))
+        self._segments.append((self._label, peak))  # the running segment (the first: before any mark) ends here
+        self._step_peak[index] = max(self._step_peak[index], peak)
+        self._run_peak[index] = max(self._run_peak[index], peak)
+        self._cuda.reset_peak_memory_stats(index)
+        self._label = label
+
+    def segments(self) -> list[tuple[object, int]] | None:
+        """The last read step's segments: (the mark that began it, the peak of live tensors in it)."""
+        return self._last_segments
 
     def peak_allocated(self, device: object = None) -> int:
         """The largest ``max_memory_allocated`` of ``device`` (default: the current one) since this probe
@@ -159,7 +188,7 @@ class NvmlProbe:
     def _read_device(self, index: int) -> MemoryReading:
         used, total = self._device_memory(index)
         outside_allocator = max(0, used - int(self._cuda.memory_reserved(index)))
-        peak = int(self._cuda.max_memory_allocated(index))
+        peak = max(int(self._cuda.max_memory_allocated(index)), self._step_peak[index])
         retries = self._alloc_retries(index) - self._retries.get(index, 0)
         if retries > 0:
             return MemoryReading(total, total, retries)
@@ -171,6 +200,8 @@ class NvmlProbe:
             self._run_peak[index] = max(self._run_peak[index], int(self._cuda.max_memory_allocated(index)))
             self._retries[index] = self._alloc_retries(index)
             self._cuda.reset_peak_memory_stats(index)
+            self._step_peak[index] = 0
+        self._segments, self._label = [], None
 
     def _alloc_retries(self, index: int) -> int:
         return int(self._cuda.memory_stats(index).get("num_alloc_retries", 0))

@@ -91,6 +91,7 @@ class SimulatedDevice:
         self._split = (0, 0)  # before a peek: the step's peak so far and what it held then, above its start
         self._read = False  # the step was read: the next forward without reset() starts another
         self._window = AllocationPeak()
+        self._early_segments: list[tuple[Any, int]] | None = None  # the segments before a peek
         self.warn = WarnOnce()
 
     def watch_model(self, model: torch.nn.Module, optimizer: Any = None) -> None:
@@ -121,6 +122,7 @@ class SimulatedDevice:
         """A step begins: what it holds now is counted as held, and its peak starts from here. Garbage is collected
         first: a block from an earlier step freed by the collector inside this one would lower its count."""
         self._window.close()
+        self._window.segments = self._early_segments = None
         if self.count == "peak":
             gc.collect()
         self._activations, self._trained, self._peak, self._read, self._split = None, False, None, False, (0, 0)
@@ -152,6 +154,7 @@ class SimulatedDevice:
             return None
         self._peak = self._carried(self._window.stop())
         self._split = (self._peak, self._split[1] + (self._window.last_end or 0))
+        self._early_segments = self._window.segments
         if self._window.start():
             self._peak = None
         return MemoryReading(min(sum(self._held.values()) + self._split[0], self.total_bytes), self.total_bytes)
@@ -159,6 +162,14 @@ class SimulatedDevice:
     def _carried(self, peak: int | None) -> int:
         """A window's peak as the step's: above what the step held at its start, across any peek."""
         return max(self._split[0], self._split[1] + (peak or 0))
+
+    def mark(self, label: Any) -> None:
+        """Start a segment of the step's count here (:class:`~autooffload.observe.allocations.AllocationPeak`)."""
+        self._window.mark(label)
+
+    def segments(self) -> list[tuple[Any, int]] | None:
+        """The last read step's segments (label, peak above its start), where it was marked."""
+        return self._window.segments if self._window.segments is not None else self._early_segments
 
     def read(self) -> MemoryReading | None:
         if self._model is None:
