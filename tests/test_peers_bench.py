@@ -54,24 +54,23 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
 
 
 def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
-    """(c): the layers compiled in place, the rest eager; ``auto`` offloads where needed, no timed step over the
-    budget, compiles nothing in a timed step and gives the same model's plain checkpointing's loss. Its warm-up
-    has one step over the budget more than ``always``'s: there one offloading layer (its eager frame around the
-    compiled layer) peaks above no offload at all, 18.79 against 18.60 MB, and the next step offloads two. (It
-    used to match ``always``'s only because a measured step's inputs lived until the garbage collector freed
-    them in the middle of the next step, lowering that step's reading; with ``gc.collect()`` before each step
-    the old code read the same.) Its gradients are not bit-identical there (5e-7 of their largest where a layer
-    offloads; on the whole model compiled they are, tests/test_compile.py): held close here, the cause not yet
-    found."""
+    """(c): the layers compiled in place, the rest eager; ``auto`` offloads no more layers than ``always`` does
+    eagerly (what the real peak needs), no timed step over the budget, compiles nothing in a timed step and gives
+    the same model's plain checkpointing's loss. Before: it offloaded every layer here, two of four on the CPU
+    model (inductor), where one brings the peak under the budget: the first step of the offloading form traces
+    the layer's frames (no graph compiled, so the benchmark did not see it) and its count held the tracing's own
+    allocations, 1.0125 of the budget against 0.9875 counted again; the controller took it for one layer not
+    being enough. A warm-up step in which dynamo compiled is now no sample for the controller, and is left out of
+    the warm-up's steps over the budget. Its gradients are not bit-identical there (5e-7 of their largest where a
+    layer offloads; on the whole model compiled they are, tests/test_compile.py): held close here, the cause not
+    yet found."""
     argv = ["--out", str(tmp_path), "--quick", "--scenario", "c", "--backend", "aot_eager_decomp_partition"]
     assert peers.main([*argv, "--modes", "plain", "always", "layers-plain", "layers-auto"]) == 0
     (result,) = json.loads((tmp_path / "peers.json").read_text())["results"]
     auto, always = result["modes"]["layers-auto"], result["modes"]["always"]
     assert auto["steps_over_budget"] == 0 and auto["compile"]["graphs"]["timed"] == 0
+    assert auto["offloaded"] <= always["offloaded"] and auto["fits"]
     assert auto["warmup_steps_over_budget"] <= always["warmup_steps_over_budget"] + 1
-    # offloads where the compiled layers with plain checkpointing do not fit (transformers 5.24 here; on 4.52.4
-    # the layers compiled in place fit (c)'s budget without offload)
-    assert auto["offloaded"] > 0 or result["modes"]["layers-plain"]["fits"]
     rows = [r for r in result["compiled_equal"] if r["auto"] == "layers-auto"]
     assert rows and all(r["loss_equal"] and r["grad_diff_rel"] < 1e-5 for r in rows)
     assert "layers-auto against layers-plain" in (tmp_path / "peers.md").read_text()
