@@ -397,9 +397,9 @@ def test_ranks_agree_on_the_most_offload_and_the_least_keep(monkeypatch):
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)  # the join at attach: both ranks have layers
     monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group: (True, None))
-    # The other rank asks for one kept layer; values are [offload, -host cap, -keep, a rank that gave up].
+    # The other rank asks for one kept layer; values are distributed.message()'s: [offload, -host cap, -keep, ...].
     monkeypatch.setattr(
-        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], values[1], -1, 0]
+        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [*values[:2], -1, *values[3:]]
     )
     net = checkpointed(qwen3(dropout=0.0))
     controller = OffloadController(Settings(recompute="auto"), probe=Ample())
@@ -407,7 +407,7 @@ def test_ranks_agree_on_the_most_offload_and_the_least_keep(monkeypatch):
     train_loop(net, controller, [64, 64])
     # This rank asked for all layers kept; the other rank for one: one runs, with one collective per micro-batch.
     assert controller.switch.kept == 1
-    assert sent == [[0, -LAYERS, 0, 0], [0, -LAYERS, -LAYERS, 0]]
+    assert sent == [distributed.message(0, LAYERS, 0), distributed.message(0, LAYERS, LAYERS)]
 
 
 def test_the_measured_model_is_in_the_saved_state():
