@@ -3,9 +3,8 @@
 ``attach(model)`` reads the model once (:class:`~autooffload.observe.layout.ModelLayout`), installs autooffload's
 checkpoint functions (:class:`~autooffload.apply.switch.CheckpointSwitch`) and hooks that hand it each micro-batch
 before its forward: there it sizes the layers' saved inputs, plans, installs the plan and records it.
-``end_step()`` closes an optimizer step: the bytes moved, the memory reading, what the plans learn. What the loop
-keeps between two calls, the run's parts and its saved state, is :class:`~autooffload.run.Run`'s. The Trainer
-callback is a thin layer over these calls; a custom loop makes them itself::
+``end_step()`` closes an optimizer step. What the loop keeps between calls, the run's parts and its saved state, is
+:class:`~autooffload.run.Run`'s. The Trainer callback is a thin layer over these calls; a custom loop makes them::
 
     controller = OffloadController()
     controller.attach(model, optimizer=optimizer)  # the optimizer: its state, not yet allocated, is foreseen
@@ -289,8 +288,7 @@ class OffloadController(Run):
         rescued = self.memory.rescuing
         moved = self.record.close_step()  # what fell short says nothing of a layer input's bytes
         self.sizes.end_step(moved, measure=not rescued and not self.record.last_step_short_bytes)
-        peak = self.memory.end_step()
-        self.planner.end_step(peak, self.memory.last.clean and not rescued, self.memory.segments)
+        self.planner.end_step(self.memory.end_step(), self.memory.last.clean and not rescued, self.memory.segments)
         self.host.end_step()
         layers = len(self.switch.layers) if self.switch is not None else None
         self.record.end_step(rescued, self.memory.last, layers, self.settings, (self.host, self.memory.read_seconds))

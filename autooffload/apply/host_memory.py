@@ -7,14 +7,11 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
 
 - **Reuse.** A buffer given back waits in a free list (per device, so only copies on that device's stream
   ever touch it, in order) and serves the next request it fits, the smallest first, where the budget holds it
-  beside what the micro-batch still expects to ask for (the controller says before each forward,
-  :meth:`HostMemory.expect`); otherwise a new buffer of the request's size is taken, the larger free ones
-  released first to make room. After a long micro-batch, short ones would otherwise borrow its large buffers one
-  input each, and the budget would be spent on a few of their inputs while the rest stayed on the device. A free
-  buffer more than ``SLACK`` times the request is lent only where no new buffer of the request's size fits under
-  the budget (or nobody said what the micro-batch expects: then never): a small new buffer costs little to pin,
-  while a long micro-batch's buffer lent to a short one's input may be what a later forward of the same step
-  needs (a short and a long forward before one backward: the long one's inputs stayed on the device).
+  beside what the micro-batch still expects (:meth:`HostMemory.expect`); otherwise a new buffer of the request's
+  size is taken, the larger free ones released first to make room. A free buffer more than ``SLACK`` times the
+  request is lent only where no new buffer of the request's size fits under the budget: lent to a short
+  micro-batch's input, a long one's buffer holds budget a later forward of the same step needs (a short and a long
+  forward before one backward: the long one's inputs stayed on the device), while a small new one pins cheaply.
 - **Budget.** The bytes held (in use and free) never exceed ``budget_bytes``: a request that would is
   first met by releasing free buffers (the oversized ones first, largest first, then the smaller ones), and
   refused if that is not enough; the caller keeps that tensor on the device (and the record says so:
@@ -25,23 +22,19 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
   ``memory.limit_in_bytes``) or the process's own (``RLIMIT_AS``, ``RLIMIT_DATA``), whichever leaves the least
   (:mod:`autooffload.observe.host_limits`). The ``auto`` budget is half of what that leaves at start. Buffers
   already held are reused without asking: they are not free memory, but they are ours.
-- **Release.** Pinning is slow: on an H200 machine 3.4 GiB of new buffers added 1.59 s to the 2.04 s
-  32k-token step that needed them (``benchmarks/host_pinning.py``), and a long micro-batch that comes back after
-  a few short ones must find its buffers still there. So a free buffer is released when the host runs short
-  (less than ``min_free`` free after an optimizer step: of the buffers that step did not use, the longest unused
-  first, as many as the host lacks), when it has gone unused for ``release_after`` optimizer steps (offload off
-  for a long while, or sizes that no longer come), to make room under the budget, and when the manager itself
-  goes. Before a release each device whose buffers go is drained once (all its streams), so no copy still in
-  flight reads a page that is being unmapped.
+- **Release.** Pinning is slow (on an H200 machine 3.4 GiB of new buffers added 1.59 s to a 2.04 s step;
+  ``benchmarks/host_pinning.py``), and a long micro-batch that comes back after short ones must find its buffers.
+  So a free buffer is released when the host runs short (less than ``min_free`` free after an optimizer step: of
+  the buffers that step did not use, the longest unused first, as many as the host lacks), after ``release_after``
+  idle optimizer steps, to make room under the budget, and when the manager goes. Before a release each device
+  whose buffers go is drained once (all its streams), so no copy in flight reads a page being unmapped.
 - **Pinning ahead** (opt-in until a GPU shows it faster: ``PREPARE_THREADS``). A new buffer costs its page faults
   and its registration (3.1 GB/s on an H200 machine: 1.2 s for a 32k-token micro-batch's 3.4 GiB, inside its
-  forward; ``benchmarks/host_pinning.py``). With ``prepare_threads`` > 0, when the controller says what a
-  micro-batch will ask for (:meth:`HostMemory.expect`) and the model is on one CUDA device, the buffers no free one
-  serves are mapped and pinned at once on that many threads (the registration releases the GIL), in the order the
-  layers ask, while the forward computes; a request waits only for its own (``pin_seconds``: the time the step
-  waited).
-- **Pinning that fails** (WSL caps pinned memory at 1-2 GiB; a driver or container limit): the buffer
-  stays pageable, with one warning, and so do later ones; copies into it do not overlap compute.
+  forward; ``benchmarks/host_pinning.py``). With ``prepare_threads`` > 0, once the controller says what a
+  micro-batch will ask for (:meth:`HostMemory.expect`), on one CUDA device, the buffers no free one serves are
+  mapped and pinned on that many threads (registering releases the GIL) while the forward computes; a request
+  waits only for its own (``pin_seconds``: the time the step waited).
+- **Pinning that fails** (WSL's 1-2 GiB cap, a driver or container limit): the buffer stays pageable, one warning.
 """
 
 from __future__ import annotations

@@ -24,12 +24,10 @@ forwards alive together that the plan predicted highest: where those kept nothin
 short, which the policy learns from the reading, and keep is not corrected (with gradient accumulation a long
 micro-batch that kept nothing otherwise charged its miss to a short one that kept layers). Where the prediction
 came from a profile, the profile is dropped first; what the sum of the saved bytes still misses is corrected
-(:mod:`~autooffload.decide.corrections`). The reading the policy learns from is the step's less what the
-corrected model says its kept layers added.
+(:mod:`~autooffload.decide.corrections`). The policy learns from the reading less what the kept layers added.
 
-Bounded, however long the run and however many distinct lengths it meets: one measurement per layer and bucket
-of sequence lengths (:func:`~autooffload.decide.activations.length_bucket`), one correction per bucket of
-tokens, and a decision that sizes each layer once (O(layers), each from a fit computed once per measurement).
+Bounded, however long the run and however many lengths it meets: one measurement per layer and bucket of lengths
+(:func:`~autooffload.decide.activations.length_bucket`), one correction per bucket of tokens, O(layers) a decision.
 Pure: no torch, no clock, no I/O.
 """
 
