@@ -574,6 +574,18 @@ def test_a_profile_takes_out_what_the_measured_steps_kept_layers_held():
     assert plan.profiles.get((ladder_bucket(100), 1)).headroom == (2000.0, 1000.0, 500.0, 200.0, 0.0)
 
 
+def test_a_kept_layer_of_an_earlier_forward_is_held_through_the_next_forwards_backward():
+    """A one-forward profile says a kept last layer adds nothing (its activations stand where its recompute's would).
+    With a second forward before the backward, that layer is alive through the second one's whole backward: what the
+    earlier forward holds beyond the next one's prediction (the second forward offloads where it does not fit,
+    issue 37, item 4.2) is its whole kept bytes, not the one-forward profile's 0 (the merge of issues 37 and 39)."""
+    plan = planner()  # 4 layers, 1000 bytes each kept at 100 tokens
+    marked_step(plan, object(), 5000.0, [3000.0, 4000.0, 4500.0, 4800.0, 5000.0, 9000.0])
+    assert plan.growth([(1, 100, 100)]) == 0.0  # alone, the kept last layer adds nothing to the peak
+    plan.forward(100, 100, 1, 5000.0)  # the first forward keeps the last layer; a second comes before the backward
+    assert plan.held(100, 100) == 1000.0
+
+
 def test_a_group_with_a_forward_that_did_not_mark_gives_no_profile():
     plan = planner()
     first, second = object(), object()

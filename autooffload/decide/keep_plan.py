@@ -234,10 +234,10 @@ class KeepPlanner:
             return False
         return any(f.measured for f in self._group) or self.profiles.wants((length_bucket(seq), self.alive))
 
-    def held(self) -> float:
-        """What the forwards alive since the last backward hold beyond the prediction for the next one: what their
-        kept layers add (:meth:`growth`), and the footprints the prediction does not cover (:meth:`beyond`)."""
-        return self.growth([(f.keep, f.tokens, f.seq) for f in self._group]) + self.beyond()
+    def held(self, tokens: int, seq: int) -> float:
+        """What the forwards since the last backward hold beyond the prediction for the next one (``tokens``, ``seq``,
+        keeping nothing): their kept layers' growth in the group it joins (alive in its backward), :meth:`beyond`."""
+        return self.growth([*((f.keep, f.tokens, f.seq) for f in self._group), (0, tokens, seq)]) + self.beyond()
 
     def beyond(self) -> float:
         """The footprints of the forwards alive since the last backward that the prediction does not cover: it was

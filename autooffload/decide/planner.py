@@ -259,7 +259,7 @@ class Planner:
         observation, predicted = self.last_observation, self.keep_plain
         if decided or observation is None or predicted is None or reading.total is None:
             return 0
-        held = self.keep.held()
+        held = self.keep.held(observation.tokens, observation.seq_len)
         excess = predicted + held - self.settings.memory_high * reading.total
         if not held or excess <= 0:
             return 0
