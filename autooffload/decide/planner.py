@@ -163,7 +163,8 @@ class Planner:
         measure = measure and (self.keep.wants(level, tokens, seq_len) or self.keep.wants_profile(tokens, seq_len))
         footprint = tokens * slope_terms(self.layers, tokens, sized.bytes_per_layer, *self.token_terms)[1]
         kept = max(0, min(keep, self.layers - level))
-        self.keep.forward(tokens, seq_len, kept, self.keep_plain, footprint, batch, measure)
+        plain = self.keep_plain if tokens <= self.keep.longest_read_tokens else None  # no peak known there
+        self.keep.forward(tokens, seq_len, kept, plain, footprint, batch, measure)
         predicted = predicted_peak(self.policy, tokens, sized.bytes_per_layer)
         switched = level != installed[0] and not first
         self.last_reason = reason
@@ -229,7 +230,7 @@ class Planner:
         self.keep_plain = None
         if level > 0 or self.settings.mode != "auto" or self.fixed_level(rescuing) is not None or self.policy_failed:
             return 0
-        if reading.total is None or tokens <= 0 or tokens > self.keep.longest_read_tokens:
+        if reading.total is None or tokens <= 0:  # longer than any read: the prediction still guards forwards alive
             return 0
         predict = getattr(self.policy, "predict", None)
         name = type(self.policy).__name__
