@@ -590,6 +590,18 @@ def test_a_kept_layer_of_an_earlier_forward_is_held_through_the_next_forwards_ba
     assert plan.held(100, 100) == 1000.0
 
 
+def test_a_later_forward_plans_keep_beside_all_that_the_earlier_ones_kept_where_no_profile_covers_them_together():
+    """The same for the keep count: the first forward keeps three layers, which add 1000 to its own peak (the
+    one-forward profile) but hold all 3000 through a second forward's backward. With no profile for two forwards,
+    the second plans on what they save: nothing fits beside them under 7500 (before: one layer, planned beside
+    1000, and the step held 5000 + 3000 + what it kept)."""
+    plan = planner()
+    marked_step(plan, object(), 5000.0, [3000.0, 4000.0, 4500.0, 4800.0, 5000.0, 9000.0])
+    assert plan.count(5000.0, 100, 100, 6000.0, 0) == 3
+    plan.forward(100, 100, 3, 5000.0)
+    assert plan.count(5000.0, 100, 100, 7500.0, 0) == 0
+
+
 def test_a_group_with_a_forward_that_did_not_mark_gives_no_profile():
     plan = planner()
     first, second = object(), object()

@@ -184,11 +184,11 @@ class KeepPlanner:
         costs, extra = self.layer_costs(tokens, seq), self.extra(tokens)
         most = next((m for m in range(len(costs)) if costs[-1 - m] is None), len(costs))  # layers with a cost
         profile = self._profile([*earlier, *[(1, tokens, seq)] * expected])
+        kept = [self._kept_layers(*forward) for forward in earlier]
         if profile is not None:
-            kept = [self._kept_layers(*forward) for forward in earlier]
             cumulative = profile.growths(kept, [c or 0.0 for c in costs], most, extra, tokens)
-        else:  # the sum of what the kept layers save
-            held, added, cumulative = self.growth(earlier), 0.0, []
+        else:  # the sum of what the kept layers save (the earlier ones' too: alive through this one's backward)
+            held, added, cumulative = sum(map(sum, kept)), 0.0, []
             for cost in reversed(costs[len(costs) - most :]):
                 added += cost  # type: ignore[operator]
                 cumulative.append(held + expected * (added + extra))
