@@ -127,13 +127,31 @@ def reference_losses() -> list[list[float]]:
 # ---- Trainer, DDP ----------------------------------------------------------------------------------------
 
 
-def trainer_ddp(rank: int, out: Path) -> dict:
+def trainer_parts() -> tuple[type, type]:
+    """A Trainer that takes its samples in order (the ranks' batches are the test's, not a shuffle's) and a callback
+    that records each logged loss (``.losses``)."""
     from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     class InOrderTrainer(Trainer):
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    return InOrderTrainer, Losses
+
+
+def trainer_ddp(rank: int, out: Path) -> dict:
+    from transformers import TrainerCallback, TrainingArguments
+
+    InOrderTrainer, _ = trainer_parts()
 
     class StepBytes(TrainerCallback):
         def __init__(self, controller: OffloadController) -> None:
@@ -232,15 +250,12 @@ def deepspeed_run(stage: int, out: Path, autooffload: str, resume: str | None = 
     """One Trainer run under ZeRO-``stage``: ``autooffload`` is "attach", "callback" or "none"."""
     import warnings
 
-    from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
 
     from autooffload import AutoOffloadWarning, attach
     from autooffload.rescue import rescuing
 
-    class InOrderTrainer(Trainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
+    InOrderTrainer, _ = trainer_parts()
 
     class Record(TrainerCallback):
         def __init__(self) -> None:
@@ -458,24 +473,13 @@ def give_up_run(rank: int, out: Path, inject: str, side: bool = False, accumulat
     gloo side group, as under NCCL."""
     import warnings
 
-    from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
 
     import autooffload.decide.planner as planner_module
     import autooffload.observe.layout as layout_module
     from autooffload import AutoOffloadWarning
 
-    class InOrderTrainer(Trainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
-    class Losses(TrainerCallback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
+    InOrderTrainer, Losses = trainer_parts()
 
     def failing_on_call(function, at: int):
         calls = [0]
@@ -581,23 +585,12 @@ def in_forward_run(rank: int, out: Path, name: str, inject: bool) -> dict:
     after the agreement (``host.expect``; Qwen3Model's entry comes after it in the same forward)."""
     import warnings
 
-    from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
 
     from autooffload import AutoOffloadWarning
     from autooffload.apply.host_memory import HostMemory
 
-    class InOrderTrainer(Trainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
-    class Losses(TrainerCallback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
+    InOrderTrainer, Losses = trainer_parts()
 
     restore = []
     failed_at: list[int] = []
