@@ -270,11 +270,13 @@ class Peer(ladder.Mode):
         eager-frame functions made dynamo give up (and autooffload did not give them back yet), else compiled.
         The modes share one process, and a frame dynamo gives up on is given up for every model of its class
         (autooffload's record of it too, ``CompiledFrames.GIVEN_UP``): each mode's own is put back before its
-        step and kept after it."""
+        step and kept after it. Only then: a resume also gives back the frames dynamo gave up on for reasons of its
+        own (transformers 5.25's checkpointing breaks the graph in five places), and giving them back before every
+        step made compiled plain checkpointing trace them again in every step (17x plain's time)."""
         if self._given_up and not self.name.startswith("layers-"):
             give_up(self.frames)
             self.frames.give_up()
-        else:
+        elif self.frames.given_up:  # another mode's eager-frame plan gave them up: given back as this process has them
             self.frames.resume()
 
     def step(self, seq: int, seed: int, timed: bool = True, **how: Any) -> dict:
