@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import lifecycle
-from .apply.compile_guard import CompiledFrames, is_compiled
+from .apply.compile_guard import CompiledFrames, compiled_module, is_compiled
 from .apply.hooks import ForwardHooks
 from .apply.switch import CheckpointSwitch
 from .fallback import AT_END
@@ -63,12 +63,12 @@ class OffloadController(Run):
 
     @guarded("attach", False, always=True)
     def attach(self, model: torch.nn.Module, *, compiled: bool | None = None, optimizer: Any = None) -> bool:
-        """Install the checkpoint functions and the hooks. False (with a warning) if there is nothing to control,
-        or if this run gave up (until it ends: :meth:`finish`; then a new attach tries again). ``optimizer``: the
-        run's optimizer, so that state it has not allocated yet (Adam's) is foreseen before a reading holds it."""
+        """Install the checkpoint functions and the hooks (on the module a ``torch.compile`` wrapper compiled). False,
+        with a warning, where there is nothing to control or this run gave up (until :meth:`finish`). ``optimizer``:
+        the run's optimizer, so that state it has not allocated yet (Adam's) is foreseen before a reading holds it."""
+        compiled, model = is_compiled(model) if compiled is None else compiled, compiled_module(model)
         if self.failed:
-            self.fallback.attach_refused()  # under torch.distributed the other ranks are in the join
-            return False
+            return self.fallback.attach_refused()  # under torch.distributed the other ranks are in the join
         self.detach()
         lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing
@@ -82,7 +82,7 @@ class OffloadController(Run):
             return False
         self.host.set_budget(self.settings.host_memory, layout.devices)
         self.record.costs.start(self.host, self.memory.read_seconds)
-        frames = CompiledFrames(model) if (is_compiled(model) if compiled is None else compiled) else None
+        frames = CompiledFrames(model) if compiled else None
         self.switch = CheckpointSwitch(
             list(layout.targets), self.stats, self.settings.engine, self.warn, self.host,
             on_first_call=self._on_first_call, on_measured=self._on_measured, frames=frames, foreign=layout.unknown,

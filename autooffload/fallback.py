@@ -206,12 +206,13 @@ class Fallback:
             self.plain.remove()
             self.plain = None
 
-    def attach_refused(self) -> None:
-        """``attach`` on a controller that gave up in this run: attach nothing, but make the join the other ranks
-        make there, with the flag, where this run's join is still owed."""
+    def attach_refused(self) -> bool:
+        """``attach`` on a controller that gave up in this run: attach nothing (False, what ``attach`` returns), but
+        make the join the other ranks make there, with the flag, where this run's join is still owed."""
         agreement = self.agreement
         if agreement.active() and not agreement.joined:
             agreement.join(False, gave_up=True)
+        return False
 
     def end(self) -> None:
         """The run ended: nothing is owed any more."""

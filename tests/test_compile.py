@@ -259,3 +259,22 @@ def test_after_a_measuring_micro_batch_the_model_compiles_whole_again_once_its_f
         controller.switch.apply(0, LAYERS)
         graphs = graphs_run()
     assert controller.switch.frames.recompiled and graphs == 1
+
+
+def test_a_custom_loop_attaches_to_the_torch_compile_wrapper():
+    """``controller.attach(torch.compile(model))`` in a custom loop: the controller attaches to the module the wrapper
+    compiled, as Trainer hands it over, and offloads what the arithmetic says. Before: attached to the wrapper, its
+    hooks, traced inside the compiled frame, read the wrapper, which dynamo refused at the first forward (an
+    AssertionError out of the training step)."""
+    torch_dynamo.reset()
+    net = model().train()
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(net, backend="aot_eager")
+    controller = OffloadController(Settings(mode="on"))
+    assert controller.attach(compiled) and controller.planner.compiled
+    moved = []
+    for _ in range(2):
+        compiled(input_ids=random_ids(64), labels=random_ids(64)).loss.backward()
+        controller.end_step()
+        moved.append(controller.last_step_bytes)
+    assert moved == [expected_bytes(64, batch=2)] * 2

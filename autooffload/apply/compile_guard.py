@@ -25,6 +25,14 @@ def is_compiled(model: torch.nn.Module) -> bool:
     return False
 
 
+def compiled_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile(model)`` wrapper (an ``OptimizedModule``) compiled, else ``model``: the controller
+    attaches there, as Trainer hands it over. On the wrapper, its forward hooks traced inside the compiled frame read
+    the wrapper, which dynamo refuses (the module it compiled is already tracked: a crash at the first forward)."""
+    optimized = _optimized_module_type()
+    return model._orig_mod if optimized is not None and isinstance(model, optimized) else model  # type: ignore[return-value]
+
+
 def _optimized_module_type() -> type | None:
     try:
         from torch._dynamo.eval_frame import OptimizedModule
