@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 # Hyper-connection models carry several residual streams through every layer (input [batch, seq, streams,
@@ -224,3 +225,24 @@ def _fit(samples: dict[tuple[int, int], float]) -> tuple[float, float] | None:
     b = max(sum((s - mean_s) * (y - mean_y) for s, y in points) / var, 0.0)
     a = max(max(y - b * s for s, y in points), 0.0)  # the upper line: never below a measured point
     return a, b
+
+
+def stack_costs(layers: Sequence[KeptLayerModel], tokens: int, seq: int) -> list[float | None]:
+    """What keeping each layer of a stack adds at this length; None where nothing is known. A layer not measured yet
+    costs the most any measured layer costs at this length, scaled up by its share of matrix weights, and never less
+    than its own seed: a layer of another kind (a wider one, a Mamba layer) is not planned below the widest known."""
+    own = [model.predict(tokens, seq) for model in layers]
+    known = [
+        (max(c - m.constant, 0.0), m.weights) for c, m in zip(own, layers, strict=True) if m.measured and c is not None
+    ]
+    most = max((v for v, _ in known), default=None)
+    most_per_weight = max((v / w for v, w in known if w), default=None)
+    costs = list(own)
+    for position, model in enumerate(layers):
+        if model.measured or most is None:
+            continue
+        borrowed = most
+        if model.weights and most_per_weight is not None:
+            borrowed = max(most, model.weights * most_per_weight)
+        costs[position] = max(model.constant + borrowed, own[position] or 0.0)
+    return costs

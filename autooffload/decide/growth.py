@@ -185,9 +185,12 @@ class Profiles:
         if key not in self.distrusted:
             self.read[key] = profile
 
-    def distrust(self, key: tuple[int, int]) -> None:
-        self.read.pop(key, None)
+    def distrust(self, key: tuple[int, int]) -> bool:
+        """A reading above a plan at this key: its profile, if one was read, is dropped for good. Whether one was."""
+        if self.read.pop(key, None) is None:
+            return False
         self.distrusted.add(key)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {

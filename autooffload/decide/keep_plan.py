@@ -3,32 +3,27 @@
 The controller asks it, per micro-batch, how many of the last checkpointed layers may run without checkpointing
 (:meth:`KeepPlanner.count`), tells it what ran (:meth:`~KeepPlanner.forward`), when a backward ran
 (:meth:`~KeepPlanner.backward`), what a kept layer saved (:meth:`~KeepPlanner.measured`) and, at a step's end, the
-reading (:meth:`~KeepPlanner.end_step`). Three things make its plan right by construction:
+reading (:meth:`~KeepPlanner.end_step`). What makes its plan right by construction:
 
-- **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`, constant term included),
-  and what the kept layers add to the real peak read off the step's segments at that length where a profile was
-  read (:mod:`~autooffload.decide.growth`), else their sum; a layer not measured yet costs the most any measured
-  layer costs at that length, scaled up by its share of matrix weights, and never less than its seed;
-- **every forward alive before one backward** (chosen and rejected as two calls, contrastive losses, accumulation
-  by hand): forwards are counted between backwards, the most alive together over the recent steps is learned,
-  and a forward's plan leaves room for what the forwards before it kept and for the ones still to come; where
-  more forwards are alive than the readings ever saw together (the first step with two), also for the whole
-  footprint of those the prediction does not cover (their checkpointed inputs, logits and loss graph);
-- **nothing kept beyond the lengths a reading covered**: a micro-batch longer than any step a reading saw keeps
-  nothing (the all-recompute peak is only known up to there).
+- **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`); a layer not measured yet
+  costs the most any measured layer costs at that length, scaled up by its share of matrix weights;
+- **what the kept layers add to the real peak**: read off the step's segments at that length
+  (:mod:`~autooffload.decide.growth`), or where no step is read in segments (compiled, a probe without them) the
+  sum of what they save less what whole steps' readings showed it exceeds by (:mod:`~.read_growth`);
+- **every forward alive before one backward**: forwards are counted between backwards, the most alive together
+  over the recent steps is learned, and a forward's plan leaves room for the ones before it and still to come
+  (where more are alive than any reading saw, for their whole footprint);
+- **nothing kept beyond the lengths a reading covered** (the all-recompute peak is only known up to there).
 
-And the reading corrects it (closed loop): after every clean step that kept layers, the reading is compared
-with the plan's prediction (the all-recompute peak plus what the kept layers of the forwards alive together add,
-:mod:`~autooffload.decide.growth`). A miss (the reading above it) is charged to the micro-batch that caused it, the
-forwards alive together that the plan predicted highest: where those kept nothing, the all-recompute peak was
-short, which the policy learns from the reading, and keep is not corrected (with gradient accumulation a long
-micro-batch that kept nothing otherwise charged its miss to a short one that kept layers). Where the prediction
-came from a profile, the profile is dropped first; what the sum of the saved bytes still misses is corrected
-(:mod:`~autooffload.decide.corrections`). The policy learns from the reading less what the kept layers added.
+And the reading corrects it (closed loop): after every clean step that kept layers, the reading is compared with
+the prediction (the all-recompute peak plus what the kept layers of the forwards alive together add). A miss is
+charged to the forwards the plan predicted highest; where those kept nothing the all-recompute peak was short,
+which the policy learns. A profile or whole readings a miss came from are dropped first; what the sum of the saved
+bytes still misses is corrected (:mod:`~autooffload.decide.corrections`). The policy learns from the reading less
+what the kept layers added.
 
-Bounded, however long the run and however many lengths it meets: one measurement per layer and bucket of lengths
-(:func:`~autooffload.decide.activations.length_bucket`), one correction per bucket of tokens, O(layers) a decision.
-Pure: no torch, no clock, no I/O.
+Bounded: one measurement per layer and bucket of lengths (:func:`~autooffload.decide.activations.length_bucket`),
+one correction per bucket of tokens, O(layers) a decision. Pure: no torch, no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -38,9 +33,10 @@ import math
 from typing import Any
 
 from . import ladder
-from .activations import KeptLayerModel, LayerShape, length_bucket
+from .activations import KeptLayerModel, LayerShape, length_bucket, stack_costs
 from .corrections import CALM_STEPS, MISS_LIMIT, Corrections
 from .growth import Profile, Profiles, read_profile
+from .read_growth import ReadGrowths
 
 __all__ = ["CALM_STEPS", "MISS_LIMIT", "Forward", "KeepPlanner"]
 
@@ -82,6 +78,7 @@ class KeepPlanner:
         self.profiles = Profiles()  # the steps' segments, per bucket of lengths and forwards alive together
         self.segmented = True  # the probe reads segments (until a marked step shows it does not)
         self.compiled = False  # under torch.compile the profiles are not read (the measured step is not the timed one)
+        self.read_growths = ReadGrowths()  # where no step is read in segments, what whole steps' readings showed
 
     # ---- the model --------------------------------------------------------------------------------------
 
@@ -100,26 +97,12 @@ class KeepPlanner:
         return {(i, t, s): y for i, m in enumerate(self.layers) for (t, s), y in m.samples.items()}
 
     def layer_costs(self, tokens: int, seq: int) -> list[float | None]:
-        """What keeping each layer adds at this length, before corrections; None where nothing is known.
-
-        A layer not measured yet costs the most any measured layer costs at this length, scaled up by its share of
-        matrix weights, and never less than its seed. Computed once per length and change of the models."""
+        """What keeping each layer adds at this length, before corrections (:func:`~.activations.stack_costs`);
+        computed once per length and change of the models."""
         cached = self._costs
         if cached is not None and cached[:3] == (self._version, tokens, seq):
             return cached[3]
-        own = [model.predict(tokens, seq) for model in self.layers]
-        pairs = zip(own, self.layers, strict=True)
-        known = [(max(c - m.constant, 0.0), m.weights) for c, m in pairs if m.measured and c is not None]
-        most = max((v for v, _ in known), default=None)
-        most_per_weight = max((v / w for v, w in known if w), default=None)
-        costs = list(own)
-        for position, model in enumerate(self.layers):
-            if model.measured or most is None:
-                continue
-            borrowed = most
-            if model.weights and most_per_weight is not None:
-                borrowed = max(most, model.weights * most_per_weight)
-            costs[position] = max(model.constant + borrowed, own[position] or 0.0)
+        costs = stack_costs(self.layers, tokens, seq)
         self._costs = (self._version, tokens, seq, costs)
         return costs
 
@@ -183,7 +166,8 @@ class KeepPlanner:
         expected = max(self.alive - len(self._group), 1)
         costs, extra = self.layer_costs(tokens, seq), self.extra(tokens)
         most = next((m for m in range(len(costs)) if costs[-1 - m] is None), len(costs))  # layers with a cost
-        profile = self._profile([*earlier, *[(1, tokens, seq)] * expected])
+        planned = [*earlier, *[(1, tokens, seq)] * expected]
+        profile = self._profile(planned)
         kept = [self._kept_layers(*forward) for forward in earlier]
         if profile is not None:
             cumulative = profile.growths(kept, [c or 0.0 for c in costs], most, extra, tokens)
@@ -192,6 +176,8 @@ class KeepPlanner:
             for cost in reversed(costs[len(costs) - most :]):
                 added += cost  # type: ignore[operator]
                 cumulative.append(held + expected * (added + extra))
+            if (key := self._key(planned, whole=True)) is not None:  # less what whole steps' readings showed
+                cumulative = self.read_growths.tightened(key, [f[0] for f in earlier], expected, cumulative, tokens)
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
 
@@ -200,10 +186,12 @@ class KeepPlanner:
         off their length's profile (:mod:`autooffload.decide.growth`) where one was read for as many forwards, else
         the sum of what each kept layer saves, corrections included."""
         kept = [self._kept_layers(keep, tokens, seq) for keep, tokens, seq in forwards]
-        profile = self._profile(forwards)
-        if profile is None:
-            return sum(map(sum, kept))
-        return profile.growth(kept, max(tokens for _, tokens, _ in forwards))
+        profile, tokens = self._profile(forwards), max(tokens for _, tokens, _ in forwards)
+        if profile is not None:
+            return profile.growth(kept, tokens)
+        key, total = self._key(forwards, whole=True), sum(map(sum, kept))
+        excess = self.read_growths.excess(key, [f[0] for f in forwards], tokens) if key is not None else 0.0
+        return max(total - excess, 0.0)
 
     def _kept_layers(self, keep: int, tokens: int, seq: int, extra: bool = True) -> list[float]:
         """Per layer, what it holds kept by a forward that keeps the last ``keep`` layers (0 where it recomputes); the
@@ -218,13 +206,13 @@ class KeepPlanner:
             values[layers - keep] += self.extra(tokens) if extra else 0.0
         return values
 
-    def _profile_key(self, forwards: list[tuple[int, int, int]]) -> tuple[int, int] | None:
-        buckets = {length_bucket(seq) for _, _, seq in forwards}
-        usable = self.segmented and not self.compiled and len(buckets) == 1
-        return (buckets.pop(), len(forwards)) if usable else None
+    def _key(self, forwards: list[tuple[int, int, int]], whole: bool = False) -> tuple[int, int] | None:
+        """The key of :attr:`profiles` where steps are read in segments, else (``whole``) of :attr:`read_growths`."""
+        buckets, segments = {length_bucket(seq) for _, _, seq in forwards}, self.segmented and not self.compiled
+        return (buckets.pop(), len(forwards)) if len(buckets) == 1 and segments != whole else None
 
     def _profile(self, forwards: list[tuple[int, int, int]]) -> Profile | None:
-        key = self._profile_key(forwards)
+        key = self._key(forwards)
         return self.profiles.get(key) if key is not None else None
 
     def wants_profile(self, tokens: int, seq: int) -> bool:
@@ -240,9 +228,8 @@ class KeepPlanner:
         return self.growth([*((f.keep, f.tokens, f.seq) for f in self._group), (0, tokens, seq)]) + self.beyond()
 
     def beyond(self) -> float:
-        """The footprints of the forwards alive since the last backward that the prediction does not cover: it was
-        learned from readings with at most ``alive`` forwards alive together, so with this one there are
-        ``len(group) + 1 - alive`` more (the largest of the earlier ones are counted)."""
+        """The footprints of the forwards alive since the last backward that the prediction (learned with at most
+        ``alive`` forwards alive together) does not cover: the largest ``len(group) + 1 - alive`` of them."""
         extra = len(self._group) + 1 - self.alive
         if extra <= 0:
             return 0.0
@@ -273,8 +260,7 @@ class KeepPlanner:
             self._group = []
 
     def rerun(self) -> None:
-        """The step ran out of memory and is rerun from its start: its forwards so far are freed (the one that
-        failed never reaches its backward), and the rerun runs them again."""
+        """The step ran out of memory and is rerun from its start: its forwards so far are freed."""
         self._group, self._groups = [], []
 
     # ---- the reading ----------------------------------------------------------------------------------
@@ -295,19 +281,19 @@ class KeepPlanner:
         predicted = [(self._predicted(g), g) for g in groups]
         if reading is not None and clean and predicted:
             self.closed_loop.age(self._compare(reading, predicted))
+            self._read_whole(reading, *max(predicted, key=_highest))
         if self.segmented and not self.compiled and any(f.measured for g in groups for f in g):
             self.segmented = segments is not None  # None: the probe reads no segments
             for group in groups if segments is not None and clean else ():
                 self._read_profile(group, segments)
-        # The forwards the plan expected at the peak; one planned without a prediction (an offloading or a longer
-        # micro-batch than any reading covered) may hold it: then what the kept ones added is not subtracted.
-        peak = max(predicted, key=_highest, default=None)
-        self.reading_kept_bytes = self._kept_now(peak[1]) if peak is not None and peak[0] is not None else 0.0
+        # The forwards at the peak; one planned without a prediction may hold it: then nothing kept is subtracted.
+        total, group = max(predicted, key=_highest, default=(None, []))
+        self.reading_kept_bytes = self.growth([(f.keep, f.tokens, f.seq) for f in group]) if total is not None else 0.0
 
     def _read_profile(self, group: list[Forward], segments: list[tuple[Any, float]]) -> None:
         """A group whose every forward marked the step: its profile, at its length and number of forwards."""
         forwards = [(f.keep, f.tokens, f.seq) for f in group]
-        key = self._profile_key(forwards)
+        key = self._key(forwards)
         if key is None or not any(f.measured for f in group) or not self.profiles.wants(key):
             return
         self.profiles.tried(key)
@@ -338,9 +324,7 @@ class KeepPlanner:
             return tested
         if reading > total * (1 + MISS_TOLERANCE):
             forwards_kept = [(f.keep, f.tokens, f.seq) for f in group]
-            key = self._profile_key(forwards_kept)
-            if any(f.keep for f in group) and key is not None and self.profiles.get(key) is not None:
-                self.profiles.distrust(key)  # the profile was short: the sum of what the layers save plans there
+            if any(f.keep for f in group) and self._distrust(forwards_kept):  # the sum of what they save plans there
                 total = self._predicted(group, sum(map(sum, (self._kept_layers(*f) for f in forwards_kept))))
                 if total is None or reading <= total * (1 + MISS_TOLERANCE):
                     return tested
@@ -357,9 +341,22 @@ class KeepPlanner:
         self.closed_loop.clean(needed)
         return tested
 
-    def _kept_now(self, group: list[Forward]) -> float:
-        """What the group's kept layers added to its peak, by the model as corrected now."""
-        return self.growth([(f.keep, f.tokens, f.seq) for f in group])
+    def _distrust(self, forwards: list[tuple[int, int, int]]) -> bool:
+        """A reading above the plan of ``forwards``: drop the profile or whole steps' readings it stood on, if any."""
+        if (key := self._key(forwards)) is not None:
+            return self.profiles.distrust(key)
+        return (whole := self._key(forwards, whole=True)) is not None and self.read_growths.distrust(whole)
+
+    def _read_whole(self, reading: float, total: float | None, group: list[Forward]) -> None:
+        """What the kept layers of the group predicted highest added to a clean step read whole, against their sum;
+        where each forward was planned on a prediction (no offload, nothing beyond it) and counted nothing."""
+        forwards = [(f.keep, f.tokens, f.seq) for f in group]
+        key, unplanned = self._key(forwards, whole=True), any(f.measured or f.plain is None or f.beyond for f in group)
+        if key is None or total is None or unplanned or reading > total * (1 + MISS_TOLERANCE):
+            return
+        bound = sum(map(sum, (self._kept_layers(*f) for f in forwards)))
+        added = max(reading - (total - group[-1].growth), 0.0)
+        self.read_growths.add(key, [f.keep for f in group], max(f.tokens for f in group), bound - added)
 
     # ---- resume ---------------------------------------------------------------------------------------
 
@@ -372,6 +369,7 @@ class KeepPlanner:
             "reading_kept_bytes": self.reading_kept_bytes,
             "profiles": self.profiles.state_dict(),
             "segmented": self.segmented,
+            "read_growths": self.read_growths.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -389,9 +387,9 @@ class KeepPlanner:
         self.closed_loop.load_state_dict(state)
         self.longest_read_tokens = int(state.get("longest_read_tokens", 0))
         self.reading_kept_bytes = float(state.get("reading_kept_bytes", 0.0))
-        self.profiles = Profiles()
         self.profiles.load_state_dict(state.get("profiles") or {})
         self.segmented = self.segmented and bool(state.get("segmented", True))
+        self.read_growths.load_state_dict(state.get("read_growths") or {})
         self._version += 1
 
 

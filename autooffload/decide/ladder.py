@@ -77,10 +77,10 @@ def keep(
     room = limit - margin - predicted
     if room <= 0 or kept_bytes is None:
         return 0
-    if isinstance(kept_bytes, Sequence):
-        count = max((m for m, added in enumerate(kept_bytes[:layers], 1) if added <= room), default=0)
-    else:
-        count = layers if kept_bytes <= 0 else min(int(room // kept_bytes), layers)
+    if isinstance(kept_bytes, Sequence):  # not always growing with m (read off a step): each allowed m that fits
+        fits = [m for m, added in enumerate(kept_bytes[:layers], 1) if added <= room]
+        return max((m for m in fits if not keep_levels or m in keep_levels), default=0)
+    count = layers if kept_bytes <= 0 else min(int(room // kept_bytes), layers)
     if keep_levels:
         count = max((level for level in keep_levels if level <= count), default=0)
     return max(count, 0)

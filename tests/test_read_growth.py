@@ -1,0 +1,166 @@
+"""Where no step is read in segments (torch.compile, a probe without them), keep plans on whole steps' readings.
+
+The keep model's segments cannot be read in a compiled step, so under compile it planned on the sum of what the
+kept layers save, the most they can add: on the ladder's scenarios (e) and (f) it kept half and a quarter of the
+layers with readings far below that sum (issue 39). A whole step's reading shows how much of the sum its kept
+layers did not add; a plan that keeps those layers and more adds at most that less, which lets keep climb one
+allowed count at a time, each on a bound that holds, and a reading above such a plan drops them for good.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from conftest import LAYERS
+from test_keep_model import HIGH, RecordingDevice, planner
+from test_ladder import checkpointed, ids, qwen3
+
+from autooffload import OffloadController, Settings
+from autooffload.decide import ladder
+from autooffload.decide.activations import length_bucket
+from autooffload.decide.keep_plan import KeepPlanner
+from autooffload.decide.read_growth import ReadGrowths
+
+KEY = (length_bucket(100), 1)
+
+
+def compiled_planner() -> KeepPlanner:
+    plan = planner()  # 4 layers, each saving 1000 bytes kept at 100 tokens
+    plan.compiled = True
+    return plan
+
+
+def step(plan: KeepPlanner, keep: int, reading: float, plain: float = 5000.0, forwards: int = 1) -> None:
+    for _ in range(forwards):
+        plan.forward(100, 100, keep, plain)
+    plan.backward()
+    plan.end_step(reading)
+
+
+def test_a_compiled_steps_reading_lets_keep_climb_past_what_the_saved_bytes_allow():
+    plan = compiled_planner()
+    # 2600 of room above the all-recompute peak: on the saved bytes two layers fit (2000), four do not (4000).
+    assert plan.count(5000.0, 100, 100, 7600.0, 0) == 2
+    step(plan, 2, 5000.0 + 500.0)  # the two kept layers added 500 to the real peak, not 2000
+    assert plan.read_growths.read[KEY] == {(2,): (100, 1500.0)}
+    assert plan.reading_kept_bytes == 500.0  # the policy learns the reading less what keep added
+    # Keeping all four adds at most 500 and what the two further layers save: 2500, under 2600.
+    assert plan.growth([(4, 100, 100)]) == 2500.0 and plan.count(5000.0, 100, 100, 7600.0, 0) == 4
+    # Keeping one is planned on what it saves: what a kept layer adds is not known to shrink with fewer kept.
+    assert plan.growth([(1, 100, 100)]) == 1000.0
+    # Half the tokens at that length (a smaller batch), what the reading showed shrinks in proportion: 500 layer bytes
+    # each, 750 of the sum not added.
+    assert plan.growth([(4, 50, 100)]) == pytest.approx(4 * 500.0 - 750.0)
+    # Under compile only the allowed counts are planned: with (0, 1, 3) four is not allowed and three fits.
+    assert plan.count(5000.0, 100, 100, 7600.0, 0, levels=(0, 1, 3)) == 3
+
+
+def test_a_reading_above_a_plan_made_on_whole_readings_drops_them_for_good():
+    plan = compiled_planner()
+    step(plan, 2, 5500.0)
+    step(plan, 4, 5000.0 + 3500.0)  # above the 7500 planned on the reading, under the 9000 the sum allows
+    assert plan.read_growths.read == {} and KEY in plan.read_growths.distrusted
+    assert plan.corrections == {}  # the sum of the saved bytes was not short: nothing to correct
+    assert plan.count(5000.0, 100, 100, 7600.0, 0) == 2  # planned on the saved bytes again
+    step(plan, 2, 5500.0)
+    assert plan.read_growths.read == {}  # not read again at that key
+
+
+def test_two_forwards_are_read_together():
+    plan = compiled_planner()
+    plan.alive = 2
+    # Two forwards before one backward, 4600 of room: each keeps one on the saved bytes (2 x 1000 <= 4600 < 2 x 3000).
+    assert plan.count(5000.0, 100, 100, 9600.0, 0) == 2
+    step(plan, 2, 5000.0 + 1000.0, forwards=2)  # four kept layer-forwards added 1000, not 4000
+    assert plan.read_growths.read[(length_bucket(100), 2)] == {(2, 2): (100, 3000.0)}
+    assert plan.count(5000.0, 100, 100, 9600.0, 0) == 3  # 2 x 3000 - 3000 = 3000 fits; 2 x 4000 - 3000 does not
+    plan.forward(100, 100, 3, 5000.0)
+    # The second forward plans beside the first one's three: keeping four adds at most 3000 + 4000 less 3000.
+    assert plan.count(5000.0, 100, 100, 9600.0, 0) == 4
+    assert plan.count(5000.0, 100, 100, 7900.0, 0) == 2  # three: 3000 + 3000 - 3000, over 2900 of room
+
+
+@pytest.mark.parametrize("why", ["offloaded", "beyond", "counted", "segments"])
+def test_a_reading_that_does_not_show_what_the_kept_layers_added_is_not_taken(why):
+    """An offloading forward (planned without a prediction), forwards alive beyond what the readings covered (their
+    footprint an estimate), a forward that counted its layers (under compile they ran outside the graph), or a step
+    read in segments (eager: the profile is read there instead)."""
+    plan = compiled_planner()
+    if why == "segments":
+        plan.compiled = False
+    plan.forward(100, 100, 2, None if why == "offloaded" else 5000.0, footprint=800.0, measured=why == "counted")
+    if why == "beyond":
+        plan.forward(100, 100, 2, 5000.0)  # a second forward where one was alive: its first forward's footprint
+    plan.backward()
+    plan.end_step(5500.0)
+    assert plan.read_growths.read == {}
+
+
+def test_whole_readings_survive_a_resume():
+    plan = compiled_planner()
+    step(plan, 2, 5500.0)
+    resumed = compiled_planner()
+    resumed.load_state_dict(plan.state_dict())
+    assert resumed.read_growths.read == plan.read_growths.read
+    assert resumed.count(5000.0, 100, 100, 7600.0, 0) == 4
+    older = {k: v for k, v in plan.state_dict().items() if k != "read_growths"}  # a state from before them
+    again = compiled_planner()
+    again.load_state_dict(older)
+    assert again.read_growths.read == {} and again.count(5000.0, 100, 100, 7600.0, 0) == 2
+
+
+def test_the_plans_remembered_at_a_key_stay_few():
+    growths = ReadGrowths()
+    for keep in range(20):
+        growths.add(KEY, [keep + 1], 100, 10.0 * (keep + 1))
+    assert len(growths.read[KEY]) <= 8
+    assert growths.excess(KEY, [20], 100) == 200.0  # the newest kept
+
+
+def test_the_keep_levels_pick_the_most_that_fits_where_fewer_layers_would_not():
+    """Planned on whole readings, keeping more can add less than keeping fewer (those are planned on the sum):
+    an allowed count is taken only where it fits, not the allowed count below the most that fits."""
+    assert ladder.keep(0.0, [1000.0, 500.0, 800.0, 2500.0], 4, 900.0, 0.0, (0, 1, 4)) == 0
+    assert ladder.keep(0.0, [1000.0, 500.0, 800.0, 2500.0], 4, 900.0, 0.0, (0, 2, 4)) == 2
+
+
+def compiled_run(total: int | None, steps: int, seq: int = 128):
+    """recompute="auto" on the tiny Qwen3 compiled (aot_eager) against a device reading the step's real peak."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = checkpointed(qwen3(dropout=0.0))
+    static = sum(p.numel() * p.element_size() for p in net.parameters())
+    compiled = torch.compile(net, backend="aot_eager")
+    device = RecordingDevice(total or 10**10)
+    controller = OffloadController(Settings(recompute="auto", memory_high=HIGH, memory_low=0.5), probe=device)
+    controller.attach(net, compiled=True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    kept = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            compiled(input_ids=ids(seq), labels=ids(seq)).loss.backward()
+            kept.append(controller.switch.kept)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            controller.end_step()
+    return controller, kept, device, static
+
+
+def test_compiled_auto_keeps_every_layer_where_the_real_peak_has_room_though_their_saved_bytes_do_not_fit():
+    """The tiny Qwen3 compiled: keeping all four layers adds about half what they save to the real peak (the
+    partitioner recomputes cheap operations; the last kept layer stands where its recompute would). Room for 80%
+    of what they save: before, compiled auto kept two for good; reading the step that kept two, it keeps four, and
+    no step passes memory_high."""
+    controller, kept, device, static = compiled_run(None, 3)
+    assert kept == [0, LAYERS, LAYERS]
+    plain, everything = (reading - static for reading in device.readings[:2])
+    saved = controller.planner.keep.kept_bytes(LAYERS, 128, 128)
+    assert everything - plain < 0.6 * saved, (everything - plain, saved)
+    total = round((static + plain + 0.8 * saved) / (HIGH - ladder.KEEP_MARGIN))
+    controller, kept, device, _ = compiled_run(total, 5)
+    assert kept[:2] == [0, 2] and kept[-1] == LAYERS, kept
+    assert max(device.readings) <= HIGH * total, [round(r / (HIGH * total), 3) for r in device.readings]
