@@ -4,7 +4,8 @@ The keep model's segments cannot be read in a compiled step, so under compile it
 kept layers save, the most they can add: on the ladder's scenarios (e) and (f) it kept half and a quarter of the
 layers with readings far below that sum (issue 39). A whole step's reading shows how much of the sum its kept
 layers did not add; a plan that keeps those layers and more adds at most that less, which lets keep climb one
-allowed count at a time, each on a bound that holds, and a reading above such a plan drops them for good.
+allowed count at a time, each on a bound that holds; a reading above such a plan drops them (for good at the second
+miss). The review of that change found three ways the bound did not hold, each a test below.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from autooffload.decide.activations import length_bucket
 from autooffload.decide.keep_plan import KeepPlanner
 from autooffload.decide.read_growth import ReadGrowths
 
-KEY = (length_bucket(100), 1)
+KEY = (length_bucket(100), 1, 1)  # (bucket, forwards alive together, compiled)
 
 
 def compiled_planner() -> KeepPlanner:
@@ -43,28 +44,35 @@ def test_a_compiled_steps_reading_lets_keep_climb_past_what_the_saved_bytes_allo
     # 2600 of room above the all-recompute peak: on the saved bytes two layers fit (2000), four do not (4000).
     assert plan.count(5000.0, 100, 100, 7600.0, 0) == 2
     step(plan, 2, 5000.0 + 500.0)  # the two kept layers added 500 to the real peak, not 2000
-    assert plan.read_growths.read[KEY] == {(2,): (100, 1500.0)}
+    assert plan.read_growths.read[KEY] == {(2,): (100, 500.0)}
     assert plan.reading_kept_bytes == 500.0  # the policy learns the reading less what keep added
     # Keeping all four adds at most 500 and what the two further layers save: 2500, under 2600.
     assert plan.growth([(4, 100, 100)]) == 2500.0 and plan.count(5000.0, 100, 100, 7600.0, 0) == 4
     # Keeping one is planned on what it saves: what a kept layer adds is not known to shrink with fewer kept.
     assert plan.growth([(1, 100, 100)]) == 1000.0
     # Half the tokens at that length (a smaller batch), what the reading showed shrinks in proportion: 500 layer bytes
-    # each, 750 of the sum not added.
+    # each, 750 of the sum not added. At more tokens than it was read at, it is not used (below).
     assert plan.growth([(4, 50, 100)]) == pytest.approx(4 * 500.0 - 750.0)
     # Under compile only the allowed counts are planned: with (0, 1, 3) four is not allowed and three fits.
     assert plan.count(5000.0, 100, 100, 7600.0, 0, levels=(0, 1, 3)) == 3
 
 
-def test_a_reading_above_a_plan_made_on_whole_readings_drops_them_for_good():
+def test_a_reading_above_a_plan_made_on_whole_readings_drops_them_and_a_second_one_for_good():
+    """One reading above such a plan (on a GPU, memory outside the allocator moves by a few hundredths of a percent
+    from step to step) drops the key's readings, which the next steps read again; a second drops them for good.
+    Before the review, the first did (a noisy reading 0.2% above turned it off for the run)."""
     plan = compiled_planner()
     step(plan, 2, 5500.0)
     step(plan, 4, 5000.0 + 3500.0)  # above the 7500 planned on the reading, under the 9000 the sum allows
-    assert plan.read_growths.read == {} and KEY in plan.read_growths.distrusted
+    assert plan.read_growths.read == {} and not plan.read_growths.distrusted
     assert plan.corrections == {}  # the sum of the saved bytes was not short: nothing to correct
     assert plan.count(5000.0, 100, 100, 7600.0, 0) == 2  # planned on the saved bytes again
     step(plan, 2, 5500.0)
-    assert plan.read_growths.read == {}  # not read again at that key
+    assert plan.count(5000.0, 100, 100, 7600.0, 0) == 4  # read again
+    step(plan, 4, 5000.0 + 3500.0)
+    assert plan.read_growths.read == {} and KEY in plan.read_growths.distrusted
+    step(plan, 2, 5500.0)
+    assert plan.read_growths.read == {} and plan.count(5000.0, 100, 100, 7600.0, 0) == 2  # not read again
 
 
 def test_two_forwards_are_read_together():
@@ -73,7 +81,7 @@ def test_two_forwards_are_read_together():
     # Two forwards before one backward, 4600 of room: each keeps one on the saved bytes (2 x 1000 <= 4600 < 2 x 3000).
     assert plan.count(5000.0, 100, 100, 9600.0, 0) == 2
     step(plan, 2, 5000.0 + 1000.0, forwards=2)  # four kept layer-forwards added 1000, not 4000
-    assert plan.read_growths.read[(length_bucket(100), 2)] == {(2, 2): (100, 3000.0)}
+    assert plan.read_growths.read[(length_bucket(100), 2, 1)] == {(2, 2): (100, 1000.0)}
     assert plan.count(5000.0, 100, 100, 9600.0, 0) == 3  # 2 x 3000 - 3000 = 3000 fits; 2 x 4000 - 3000 does not
     plan.forward(100, 100, 3, 5000.0)
     # The second forward plans beside the first one's three: keeping four adds at most 3000 + 4000 less 3000.
@@ -97,13 +105,19 @@ def test_a_reading_that_does_not_show_what_the_kept_layers_added_is_not_taken(wh
     assert plan.read_growths.read == {}
 
 
-def test_whole_readings_survive_a_resume():
+def test_whole_readings_survive_a_resume_of_the_same_kind_only():
+    """Review: a compiled run's readings loaded into an eager one (a probe without segments: several GPUs) planned
+    four layers there, where eagerly each further kept layer adds what it saves. They are the compiled run's."""
     plan = compiled_planner()
     step(plan, 2, 5500.0)
     resumed = compiled_planner()
     resumed.load_state_dict(plan.state_dict())
     assert resumed.read_growths.read == plan.read_growths.read
     assert resumed.count(5000.0, 100, 100, 7600.0, 0) == 4
+    eager = planner()
+    eager.segmented = False
+    eager.load_state_dict(plan.state_dict())
+    assert eager.count(5000.0, 100, 100, 7600.0, 0) == 2
     older = {k: v for k, v in plan.state_dict().items() if k != "read_growths"}  # a state from before them
     again = compiled_planner()
     again.load_state_dict(older)
@@ -113,9 +127,51 @@ def test_whole_readings_survive_a_resume():
 def test_the_plans_remembered_at_a_key_stay_few():
     growths = ReadGrowths()
     for keep in range(20):
-        growths.add(KEY, [keep + 1], 100, 10.0 * (keep + 1))
+        growths.add(KEY, [keep + 1], 100, 0.0, 10.0 * (keep + 1))
     assert len(growths.read[KEY]) <= 8
-    assert growths.excess(KEY, [20], 100) == 200.0  # the newest kept
+    assert growths.excess(KEY, [20], 100, lambda keeps, tokens: 10.0 * keeps[0]) == 200.0  # the newest kept
+
+
+def test_what_a_reading_showed_at_fewer_tokens_is_not_spent_at_more():
+    """Review: a whole step's reading holds peaks that do not grow with the tokens (the optimizer step's: weights,
+    gradients, Adam's state and its temporaries), which the segments' profiles leave out. At batch 1 the backward's
+    peak with two layers kept (40 x 100 tokens + 2000) stays under the optimizer step's 9000, so the reading shows
+    the kept layers adding nothing; at batch 2, same length (same key), the backward's peak is 8000 with nothing
+    kept and every kept layer adds what it saves (2000 each at 200 tokens). Spent at 200 tokens, keep 2 was planned
+    at 11000 and peaked at 12000, over the 11500 of memory_high; on the saved bytes one layer keeps, 10000."""
+
+    def real_peak(tokens: int, keep: int) -> float:
+        return max(9000.0, 40.0 * tokens + keep * 10.0 * tokens)
+
+    plan = compiled_planner()
+    assert plan.count(9000.0, 100, 100, 11500.0, 0) == 2  # 2500 of room: two layers' 2000 fit on the saved bytes
+    step(plan, 2, real_peak(100, 2), plain=9000.0)  # the reading: 9000, the kept layers hidden under the optimizer
+    assert plan.kept_bytes(2, 200, 100) == 4000.0
+    keep = plan.count(9000.0, 200, 100, 11500.0, 0)  # batch 2: 9000 is its all-recompute peak too
+    assert real_peak(200, keep) <= 11500.0, (keep, real_peak(200, keep), 9000.0 + plan.growth([(keep, 200, 100)]))
+    # A later reading of the same plan at fewer tokens does not replace the one at more (it would apply there).
+    plan = compiled_planner()
+    step(plan, 2, 5500.0)
+    plan.forward(50, 100, 2, 5000.0)
+    plan.backward()
+    plan.end_step(5000.0 + 100.0)
+    assert plan.read_growths.read[KEY] == {(2,): (100, 500.0)}
+
+
+def test_a_layer_cost_that_falls_after_the_reading_shrinks_what_it_showed():
+    """Review: the sum a reading is compared with is the layers' costs as they are when a plan is made. Kept as
+    bytes, what the reading showed the sum exceeds by outlived a cost that fell (a borrowed cost replaced by a
+    measurement), and the plan fell short by that much."""
+    plan = KeepPlanner()
+    plan.configure([0] * LAYERS, 4, None)
+    plan.measured(0, 100, 100, 1000.0)  # the first two layers measured; the last two borrow their 1000 each
+    plan.measured(1, 100, 100, 1000.0)
+    plan.longest_read_tokens, plan.compiled = 1000, True
+    step(plan, 2, 5500.0)  # the last two kept, 2000 on the sum, added 500
+    plan.measured(2, 100, 100, 500.0)  # measured, they save 500 each
+    plan.measured(3, 100, 100, 500.0)
+    # On the costs now the two read save 1000, of which 500 not added; all four save 3000: they add at most 2500.
+    assert plan.growth([(4, 100, 100)]) == 2500.0
 
 
 def test_the_keep_levels_pick_the_most_that_fits_where_fewer_layers_would_not():

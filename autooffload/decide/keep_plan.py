@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import ladder
@@ -41,8 +42,8 @@ from .read_growth import ReadGrowths
 __all__ = ["CALM_STEPS", "MISS_LIMIT", "Forward", "KeepPlanner"]
 
 ALIVE_WINDOW = 16  # steps over which the most forwards alive together is remembered
-# A reading above the prediction by less than this fraction of it is the prediction (a peak predicted to the byte
-# in floating point, or the all-recompute fit moving by a few bytes as it learns), not an under-prediction.
+# A reading above the prediction by less than this fraction of it is the prediction (floating point, the
+# all-recompute fit moving by a few bytes as it learns), not an under-prediction.
 MISS_TOLERANCE = 1e-3
 
 
@@ -133,8 +134,8 @@ class KeepPlanner:
         return sum(values) + self.extra(tokens)  # type: ignore[arg-type]
 
     def wants(self, first: int, tokens: int, seq: int) -> bool:
-        """Whether a layer from ``first`` on (those not offloaded) has no measurement at this length's bucket:
-        count them this time (kept or recomputing, each layer's count is what it keeps without checkpointing)."""
+        """Whether a layer from ``first`` on (those not offloaded) has no measurement at this length's bucket: count
+        them this time (each layer's count, kept or recomputing, is what it keeps without checkpointing)."""
         return any(model.wants(tokens, seq) for model in self.layers[first:])
 
     def measured(self, position: int, tokens: int, seq: int, nbytes: float, cast_bytes: int = 0) -> None:
@@ -154,12 +155,9 @@ class KeepPlanner:
         levels: tuple[int, ...] | None = None,
     ) -> int:
         """How many of the last layers keep for this forward. ``predicted``: the step's all-recompute peak at this
-        length; ``limit``: memory_high x device memory; ``margin``: the bytes keep leaves free, before widening.
-
-        What the forwards alive since the last backward kept is already held, and so is the whole footprint of
-        those the prediction does not cover (:meth:`beyond`); this forward and the ones still expected before the
-        backward (``alive`` less those run) each keep the same.
-        """
+        length; ``limit``: memory_high x device memory; ``margin``: the bytes keep leaves free, before widening. What
+        the forwards since the last backward kept is held, and the footprints the prediction does not cover
+        (:meth:`beyond`); this forward and the ones still expected before the backward each keep the same."""
         if tokens <= 0 or tokens > self.longest_read_tokens or not self.layers:
             return 0
         earlier = [(f.keep, f.tokens, f.seq) for f in self._group]
@@ -177,20 +175,21 @@ class KeepPlanner:
                 added += cost  # type: ignore[operator]
                 cumulative.append(held + expected * (added + extra))
             if (key := self._key(planned, whole=True)) is not None:  # less what whole steps' readings showed
-                cumulative = self.read_growths.tightened(key, [f[0] for f in earlier], expected, cumulative, tokens)
+                earlier_keeps, total = [f[0] for f in earlier], self._sum(seq)
+                cumulative = self.read_growths.tightened(key, earlier_keeps, expected, cumulative, tokens, total)
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
 
     def growth(self, forwards: list[tuple[int, int, int]]) -> float:
-        """What the kept layers of ``forwards`` alive together, each ``(keep, tokens, seq)``, add to their peak: read
-        off their length's profile (:mod:`autooffload.decide.growth`) where one was read for as many forwards, else
-        the sum of what each kept layer saves, corrections included."""
+        """What the kept layers of ``forwards`` alive together, each ``(keep, tokens, seq)``, add to their peak: off
+        their profile where one was read, else the sum of what they save, less what whole readings showed."""
         kept = [self._kept_layers(keep, tokens, seq) for keep, tokens, seq in forwards]
         profile, tokens = self._profile(forwards), max(tokens for _, tokens, _ in forwards)
         if profile is not None:
             return profile.growth(kept, tokens)
         key, total = self._key(forwards, whole=True), sum(map(sum, kept))
-        excess = self.read_growths.excess(key, [f[0] for f in forwards], tokens) if key is not None else 0.0
+        keeps, seq = [f[0] for f in forwards], forwards[-1][2]
+        excess = self.read_growths.excess(key, keeps, tokens, self._sum(seq)) if key is not None else 0.0
         return max(total - excess, 0.0)
 
     def _kept_layers(self, keep: int, tokens: int, seq: int, extra: bool = True) -> list[float]:
@@ -206,10 +205,15 @@ class KeepPlanner:
             values[layers - keep] += self.extra(tokens) if extra else 0.0
         return values
 
-    def _key(self, forwards: list[tuple[int, int, int]], whole: bool = False) -> tuple[int, int] | None:
+    def _key(self, forwards: list[tuple[int, int, int]], whole: bool = False) -> Any:
         """The key of :attr:`profiles` where steps are read in segments, else (``whole``) of :attr:`read_growths`."""
         buckets, segments = {length_bucket(seq) for _, _, seq in forwards}, self.segmented and not self.compiled
-        return (buckets.pop(), len(forwards)) if len(buckets) == 1 and segments != whole else None
+        if len(buckets) != 1 or segments == whole:
+            return None
+        return (buckets.pop(), len(forwards), int(self.compiled)) if whole else (buckets.pop(), len(forwards))
+
+    def _sum(self, seq: int) -> Callable[[Sequence[int], int], float]:  # a plan's sum (kept counts, tokens), now
+        return lambda keeps, tokens: sum(sum(self._kept_layers(keep, tokens, seq)) for keep in keeps)
 
     def _profile(self, forwards: list[tuple[int, int, int]]) -> Profile | None:
         key = self._key(forwards)
@@ -218,13 +222,12 @@ class KeepPlanner:
     def wants_profile(self, tokens: int, seq: int) -> bool:
         """Whether this forward should mark the step: its length has no profile for the forwards alive together, or
         an earlier forward of its group marks (a group's profile needs every forward's marks)."""
-        if not self.segmented or self.compiled or tokens <= 0 or not self.layers:
-            return False
-        return any(f.measured for f in self._group) or self.profiles.wants((length_bucket(seq), self.alive))
+        marks = self.segmented and not self.compiled and tokens > 0 and bool(self.layers)
+        return marks and (any(f.measured for f in self._group) or self.profiles.wants((length_bucket(seq), self.alive)))
 
     def held(self, tokens: int, seq: int) -> float:
-        """What the forwards since the last backward hold beyond the prediction for the next one (``tokens``, ``seq``,
-        keeping nothing): their kept layers' growth in the group it joins (alive in its backward), :meth:`beyond`."""
+        """What the forwards since the last backward hold beyond the prediction for the next one, keeping nothing: their
+        kept layers' growth in the group it joins, and :meth:`beyond`."""
         return self.growth([*((f.keep, f.tokens, f.seq) for f in self._group), (0, tokens, seq)]) + self.beyond()
 
     def beyond(self) -> float:
@@ -268,8 +271,8 @@ class KeepPlanner:
     def end_step(
         self, reading: float | None, clean: bool = True, segments: list[tuple[Any, float]] | None = None
     ) -> None:
-        """Close a step: learn the forwards alive together, compare the reading with the plan (``clean``: the
-        reading is a sample of training alone), read the profiles of the groups that marked it (``segments``: the
+        """Close a step: learn the forwards alive together, compare the reading with the plan (``clean``: a sample
+        of training alone), read the whole step or the profiles of the groups that marked it (``segments``: the
         probe's, :func:`~autooffload.decide.growth.read_profile`), and set :attr:`reading_kept_bytes`."""
         groups = [*self._groups, *([self._group] if self._group else [])]
         self._groups, self._group = [], []
@@ -279,15 +282,15 @@ class KeepPlanner:
         if reading is not None and groups:
             self.longest_read_tokens = max(self.longest_read_tokens, max(f.tokens for g in groups for f in g))
         predicted = [(self._predicted(g), g) for g in groups]
+        total, group = max(predicted, key=_highest, default=(None, []))  # the forwards at the peak
         if reading is not None and clean and predicted:
             self.closed_loop.age(self._compare(reading, predicted))
-            self._read_whole(reading, *max(predicted, key=_highest))
+            self._read_whole(reading, total, group)
         if self.segmented and not self.compiled and any(f.measured for g in groups for f in g):
             self.segmented = segments is not None  # None: the probe reads no segments
             for group in groups if segments is not None and clean else ():
                 self._read_profile(group, segments)
-        # The forwards at the peak; one planned without a prediction may hold it: then nothing kept is subtracted.
-        total, group = max(predicted, key=_highest, default=(None, []))
+        # One planned without a prediction may hold the peak: then nothing kept is subtracted.
         self.reading_kept_bytes = self.growth([(f.keep, f.tokens, f.seq) for f in group]) if total is not None else 0.0
 
     def _read_profile(self, group: list[Forward], segments: list[tuple[Any, float]]) -> None:
@@ -311,10 +314,9 @@ class KeepPlanner:
 
     def _compare(self, reading: float, predicted: list[tuple[float | None, list[Forward]]]) -> set[int]:
         """Compare a clean reading with the plan of a step; returns the corrections it tested (those reaching the
-        tokens of a forward that kept). The reading is at least the peak of every group of forwards alive together:
-        a miss is the group's the plan predicted highest (a group planned without a prediction, an offloading
-        micro-batch, may be that one: then nothing is charged and nothing eased). Without a miss, each group that
-        kept shows at most what its kept forwards needed, and the corrections reaching it ease towards that."""
+        tokens of a forward that kept). A miss is the group's the plan predicted highest (one planned without a
+        prediction, an offloading micro-batch, may be that one: then nothing is charged or eased). Without a miss,
+        each group that kept shows at most what its kept forwards needed; the corrections reaching it ease to that."""
         kept = [(total, g) for total, g in predicted if any(f.keep for f in g)]
         if not kept:
             return set()
@@ -345,7 +347,7 @@ class KeepPlanner:
         """A reading above the plan of ``forwards``: drop the profile or whole steps' readings it stood on, if any."""
         if (key := self._key(forwards)) is not None:
             return self.profiles.distrust(key)
-        return (whole := self._key(forwards, whole=True)) is not None and self.read_growths.distrust(whole)
+        return (whole := self._key(forwards, whole=True)) is not None and self.read_growths.missed(whole)
 
     def _read_whole(self, reading: float, total: float | None, group: list[Forward]) -> None:
         """What the kept layers of the group predicted highest added to a clean step read whole, against their sum;
@@ -356,7 +358,7 @@ class KeepPlanner:
             return
         bound = sum(map(sum, (self._kept_layers(*f) for f in forwards)))
         added = max(reading - (total - group[-1].growth), 0.0)
-        self.read_growths.add(key, [f.keep for f in group], max(f.tokens for f in group), bound - added)
+        self.read_growths.add(key, [f.keep for f in group], min(f.tokens for f in group), added, bound)
 
     # ---- resume ---------------------------------------------------------------------------------------
 

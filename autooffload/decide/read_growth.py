@@ -11,79 +11,95 @@ So the reading of a whole step is used: after a clean step whose forwards alive 
 length, planned on the sum ``B`` and predicted to peak at ``plain + B``, the reading showed what they added,
 ``G = reading - plain``, and ``B - G`` of the sum was not needed. A later plan that keeps, in each of as many
 forwards, at least those layers adds at most ``G`` plus what its further layers save: its sum less the same
-``B - G`` (scaled down for a micro-batch with fewer tokens). A plan that keeps fewer layers is planned on the sum,
-as before: what a kept layer adds is not known to shrink with fewer of them kept. So the plan climbs, one allowed
-keep count at a time, each step on a bound that holds, and never above what the saved bytes allow beyond a
-reading. A reading above a plan made this way (a miss) drops the key's readings for good, as a profile's.
+``B - G``, ``B`` as the layers' costs say now (a cost that falls later shrinks it), scaled down for a micro-batch
+with fewer tokens. Never at more tokens than the reading's: a peak that does not grow with tokens (the optimizer's
+step) can hide the kept layers of a small micro-batch, and not of a larger one. A plan that keeps fewer layers is
+planned on the sum, as before: what a kept layer adds is not known to shrink with fewer of them kept. So the plan
+climbs, one allowed keep count at a time, each on a bound that holds. A reading above a plan made this way (a miss)
+drops the key's readings, which the next steps read again; a second miss at a key drops them for good (one noisy
+reading does not end it, a wrong bound does).
 
-One key per bucket of lengths and number of forwards alive together, a few plans each. Pure: no torch, no clock,
-no I/O.
+One key per bucket of lengths, number of forwards alive together and whether the model is compiled (a compiled
+step's readings say nothing of an eager one's, after a resume), a few plans each. Pure: no torch, no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PLANS_PER_KEY = 8  # the plans remembered at one key (the newest); under compile the keep counts allowed are few
+MISSES = 2  # misses at a key before its readings are dropped for good
 
-Key = tuple[int, int]  # (bucket of lengths, forwards alive together)
+Key = tuple[int, int, int]  # (bucket of lengths, forwards alive together, compiled)
+Bound = Callable[[Sequence[int], int], float]  # a plan's sum (its kept counts per forward, tokens), as costed now
 
 
 class ReadGrowths:
-    """Per key, per plan (each forward's kept count), the sum's excess the reading showed: ``(tokens, excess)``."""
+    """Per key, per plan read (each forward's kept count): ``(tokens, growth)``, what its kept layers added."""
 
     def __init__(self) -> None:
         self.read: dict[Key, dict[tuple[int, ...], tuple[int, float]]] = {}
-        self.distrusted: set[Key] = set()
+        self.misses: dict[Key, int] = {}
 
-    def excess(self, key: Key, keeps: Sequence[int], tokens: int) -> float:
-        """How much of its sum a plan keeping ``keeps`` (per forward) at ``tokens`` cannot add: the most of the
-        readings of plans whose kept layers it holds too, each scaled down for fewer tokens than it was read at."""
-        most = 0.0
-        for read_keeps, (read_tokens, excess) in self.read.get(key, {}).items():
-            if len(read_keeps) == len(keeps) and all(k >= r for k, r in zip(keeps, read_keeps, strict=True)):
-                most = max(most, excess * min(1.0, tokens / read_tokens if read_tokens > 0 else 1.0))
-        return most
+    @property
+    def distrusted(self) -> set[Key]:
+        return {key for key, n in self.misses.items() if n >= MISSES}
 
     def tightened(
-        self, key: Key, earlier: Sequence[int], expected: int, cumulative: Sequence[float], tokens: int
+        self, key: Key, earlier: Sequence[int], expected: int, cumulative: Sequence[float], tokens: int, bound: Bound
     ) -> list[float]:
         """``cumulative[m - 1]``: the sum of a plan in which the forwards after ``earlier`` (their kept counts) each
         keep the last ``m`` layers; less, for each, its :meth:`excess`."""
-        keeps = list(earlier)
-        return [c - self.excess(key, [*keeps, *[m] * expected], tokens) for m, c in enumerate(cumulative, 1)]
+        read = self._excesses(key, tokens, bound)
+        return [c - _most(read, [*earlier, *[m] * expected]) for m, c in enumerate(cumulative, 1)]
 
-    def add(self, key: Key, keeps: Sequence[int], tokens: int, excess: float) -> None:
-        if key in self.distrusted or excess <= 0 or not any(keeps):
+    def excess(self, key: Key, keeps: Sequence[int], tokens: int, bound: Bound) -> float:
+        """How much of its sum a plan keeping ``keeps`` (per forward) at ``tokens`` cannot add: the most of the
+        readings of plans whose kept layers it holds too, at as many tokens or more (scaled down to these)."""
+        return _most(self._excesses(key, tokens, bound), keeps)
+
+    def _excesses(self, key: Key, tokens: int, bound: Bound) -> list[tuple[tuple[int, ...], float]]:
+        return [
+            (keeps, max(bound(keeps, read) - growth, 0.0) * tokens / read)
+            for keeps, (read, growth) in self.read.get(key, {}).items()
+            if 0 < tokens <= read
+        ]
+
+    def add(self, key: Key, keeps: Sequence[int], tokens: int, growth: float, bound: float) -> None:
+        """A clean step at ``key``: its forwards kept ``keeps`` layers, which save ``bound`` and added ``growth``. Of
+        two readings of one plan the one at more tokens stays (it holds at fewer)."""
+        if key in self.distrusted or growth >= bound or not any(keeps) or tokens <= 0:
             return
         plans = self.read.setdefault(key, {})
-        plans.pop(tuple(keeps), None)
-        plans[tuple(keeps)] = (tokens, excess)
+        if tokens >= plans.get(tuple(keeps), (0, 0.0))[0]:
+            plans.pop(tuple(keeps), None)
+            plans[tuple(keeps)] = (tokens, growth)
         while len(plans) > PLANS_PER_KEY:
             plans.pop(next(iter(plans)))
 
-    def distrust(self, key: Key) -> bool:
-        """A reading above a plan that stood on this key's readings: they are not used again. Whether any were."""
+    def missed(self, key: Key) -> bool:
+        """A reading above a plan that stood on this key's readings: they are dropped (for good at the second
+        miss). Whether any were."""
         if self.read.pop(key, None) is None:
             return False
-        self.distrusted.add(key)
+        self.misses[key] = self.misses.get(key, 0) + 1
         return True
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "read": [
-                [*key, list(keeps), tokens, excess]
-                for key, p in self.read.items()
-                for keeps, (tokens, excess) in p.items()
-            ],
-            "distrusted": [list(key) for key in self.distrusted],
+            "read": [[*key, list(keeps), *entry] for key, plans in self.read.items() for keeps, entry in plans.items()],
+            "misses": [[*key, n] for key, n in self.misses.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.read, self.distrusted = {}, {(int(b), int(f)) for b, f in state.get("distrusted", [])}
-        for bucket, forwards, keeps, tokens, excess in state.get("read", []):
-            self.read.setdefault((int(bucket), int(forwards)), {})[tuple(int(k) for k in keeps)] = (
-                int(tokens),
-                float(excess),
-            )
+        self.read, self.misses = {}, {(int(b), int(f), int(c)): int(n) for b, f, c, n in state.get("misses", [])}
+        for bucket, forwards, compiled, keeps, tokens, growth in state.get("read", []):
+            plans = self.read.setdefault((int(bucket), int(forwards), int(compiled)), {})
+            plans[tuple(int(k) for k in keeps)] = (int(tokens), float(growth))
+
+
+def _most(read: list[tuple[tuple[int, ...], float]], keeps: Sequence[int]) -> float:
+    """The largest excess of a read plan whose kept layers ``keeps`` holds too, in as many forwards."""
+    fits = [e for r, e in read if len(r) == len(keeps) and all(k >= n for k, n in zip(keeps, r, strict=True))]
+    return max(fits, default=0.0)
