@@ -119,8 +119,9 @@ def layer_frames(step) -> int:
 @functools.cache
 def compiles_whole() -> bool:
     """Does the tiny model, compiled with transformers' own checkpointing, run as one graph? transformers 5.25
-    breaks the graph inside every checkpointed layer (a context variable set in the layer's forward): its layers
-    always run as frames of their own, so a switch compiles nothing and there is no whole graph to give back."""
+    breaks the graph inside every checkpointed layer (``kernels``' ``use_kernelized_func`` sets a context variable in
+    the attention's forward, a side effect dynamo refuses inside the checkpoint): its layers always run as frames of
+    their own, so a switch compiles nothing and there is no whole graph to give back."""
     import torch._dynamo
 
     torch._dynamo.reset()
