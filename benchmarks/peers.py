@@ -561,6 +561,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="*", choices=MODES, help="default: all")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--quick", action="store_true", help="the ladder's tiny model and one round: checks the script")
+    parser.add_argument(
+        "--skip-side-effects",
+        action="store_true",
+        help="dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint: compiled checkpointing whole on transformers "
+        "5.25 (docs/compile.md)",
+    )
     options = parser.parse_args(argv)
     for key in [k for k in os.environ if k.startswith("AUTOOFFLOAD_")]:
         os.environ.pop(key)
@@ -570,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every compiled mode keeps its own graphs for each length and plan, all on the same frames.
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.accumulated_recompile_limit = 4096
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = options.skip_side_effects
     rounds = options.rounds or (1 if options.quick else 12)
     shape = ladder.SHAPES["quick" if options.quick else "cpu"]
     names = options.scenario or (["a", "b", "c"] if options.quick else list(ladder.TARGETS))
@@ -592,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         shape=dataclasses.asdict(shape),
         rounds=rounds,
         backend=options.backend,
+        skip_side_effects=options.skip_side_effects,
         modes=modes,
         calibration=readings,
         load_before=load(),
