@@ -207,10 +207,9 @@ class KeepPlanner:
 
     def _key(self, forwards: list[tuple[int, int, int]], whole: bool = False) -> Any:
         """The key of :attr:`profiles` where steps are read in segments, else (``whole``) of :attr:`read_growths`."""
-        buckets, segments = {length_bucket(seq) for _, _, seq in forwards}, self.segmented and not self.compiled
-        if len(buckets) != 1 or segments == whole:
-            return None
-        return (buckets.pop(), len(forwards), int(self.compiled)) if whole else (buckets.pop(), len(forwards))
+        buckets = {length_bucket(seq) for _, _, seq in forwards}  # under compile: neither (docs/keep-model.md)
+        usable = len(buckets) == 1 and not self.compiled and self.segmented != whole
+        return (buckets.pop(), len(forwards)) if usable else None
 
     def _sum(self, seq: int) -> Callable[[Sequence[int], int], float]:  # a plan's sum (kept counts, tokens), now
         return lambda keeps, tokens: sum(sum(self._kept_layers(keep, tokens, seq)) for keep in keeps)
