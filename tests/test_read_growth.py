@@ -5,7 +5,7 @@ whole step's reading shows how much of the sum its kept layers did not add; a pl
 more adds at most that less, which lets keep climb one count at a time, each on a bound that holds; a reading
 above such a plan drops them (for good at the second miss). Not under torch.compile, where a kept layer's count
 does not bound what it holds in the compiled step (issue 39: the peers benchmark's (e) read 1.016 of the budget).
-A review of the change found three ways the bound did not hold, each a test below.
+Two reviews of the change found ways the bound did not hold, each a test below.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_a_whole_steps_reading_lets_keep_climb_past_what_the_saved_bytes_allow()
     # 2600 of room above the all-recompute peak: on the saved bytes two layers fit (2000), four do not (4000).
     assert plan.count(5000.0, 100, 100, 7600.0, 0) == 2
     step(plan, 2, 5000.0 + 500.0)  # the two kept layers added 500 to the real peak, not 2000
-    assert plan.read_growths.read[KEY] == {(2,): (100, 500.0)}
+    assert plan.read_growths.read[KEY] == {(2,): (100, 100, 500.0)}
     assert plan.reading_kept_bytes == 500.0  # the policy learns the reading less what keep added
     # Keeping all four adds at most 500 and what the two further layers save: 2500, under 2600.
     assert plan.growth([(4, 100, 100)]) == 2500.0 and plan.count(5000.0, 100, 100, 7600.0, 0) == 4
@@ -78,7 +78,7 @@ def test_two_forwards_are_read_together():
     # Two forwards before one backward, 4600 of room: each keeps one on the saved bytes (2 x 1000 <= 4600 < 2 x 3000).
     assert plan.count(5000.0, 100, 100, 9600.0, 0) == 2
     step(plan, 2, 5000.0 + 1000.0, forwards=2)  # four kept layer-forwards added 1000, not 4000
-    assert plan.read_growths.read[(length_bucket(100), 2)] == {(2, 2): (100, 1000.0)}
+    assert plan.read_growths.read[(length_bucket(100), 2)] == {(2, 2): (100, 100, 1000.0)}
     assert plan.count(5000.0, 100, 100, 9600.0, 0) == 3  # 2 x 3000 - 3000 = 3000 fits; 2 x 4000 - 3000 does not
     plan.forward(100, 100, 3, 5000.0)
     # The second forward plans beside the first one's three: keeping four adds at most 3000 + 4000 less 3000.
@@ -122,9 +122,9 @@ def test_whole_readings_survive_a_resume():
 def test_the_plans_remembered_at_a_key_stay_few():
     growths = ReadGrowths()
     for keep in range(20):
-        growths.add(KEY, [keep + 1], 100, 0.0, 10.0 * (keep + 1))
+        growths.add(KEY, [keep + 1], 100, 100, 0.0, 10.0 * (keep + 1))
     assert len(growths.read[KEY]) <= 8
-    assert growths.excess(KEY, [20], 100, lambda keeps, tokens: 10.0 * keeps[0]) == 200.0  # the newest kept
+    assert growths.excess(KEY, [20], 100, lambda keeps, tokens, seq: 10.0 * keeps[0]) == 200.0  # the newest kept
 
 
 def test_what_a_reading_showed_at_fewer_tokens_is_not_spent_at_more():
@@ -150,7 +150,7 @@ def test_what_a_reading_showed_at_fewer_tokens_is_not_spent_at_more():
     plan.forward(50, 100, 2, 5000.0)
     plan.backward()
     plan.end_step(5000.0 + 100.0)
-    assert plan.read_growths.read[KEY] == {(2,): (100, 500.0)}
+    assert plan.read_growths.read[KEY] == {(2,): (100, 100, 500.0)}
 
 
 def test_a_layer_cost_that_falls_after_the_reading_shrinks_what_it_showed():
@@ -202,3 +202,68 @@ def test_keep_climbs_on_whole_readings_where_the_real_peak_has_room_though_the_s
     assert not controller.planner.keep.segmented
     assert kept[:2] == [0, 2] and kept[2:] == [3] * 4, kept
     assert max(device.readings) <= HIGH * total, [round(r / (HIGH * total), 3) for r in device.readings]
+
+
+def optimizer_step_hides(group: list[tuple[int, int]]) -> float:
+    """A step whose optimizer peak (9000) does not grow with tokens; the backward's: 30 bytes a token alive and 10 a
+    token per kept layer, for each forward ``(keep, tokens)`` alive together."""
+    return max(9000.0, sum(30.0 * t + 10.0 * k * t for k, t in group))
+
+
+def test_what_a_reading_showed_at_fewer_tokens_is_not_spent_beside_an_earlier_forward_with_more():
+    """Second review: two forwards alive together; the plan that kept one layer in each, read at 100 tokens, hid
+    under the optimizer's peak. A first forward of 200 tokens, then a second of 100 planned with that reading
+    (its own tokens were not more than the reading's, the group's were): keep 1 and 4, 15000 against 13000."""
+    plan = unmarked_planner()
+    plan.alive = 2
+    for _ in range(2):
+        plan.forward(100, 100, 1, 9000.0)
+    plan.backward()
+    plan.end_step(optimizer_step_hides([(1, 100), (1, 100)]))
+    assert plan.read_growths.read == {(length_bucket(100), 2): {(1, 1): (100, 100, 0.0)}}
+    first = plan.count(9000.0, 200, 100, 13000.0, 0)
+    plan.forward(200, 100, first, 9000.0)
+    second = plan.count(9000.0, 100, 100, 13000.0, 0)
+    assert optimizer_step_hides([(first, 200), (second, 100)]) <= 13000.0, (first, second)
+
+
+def test_a_miss_of_a_plan_made_on_the_sum_is_the_corrections_not_the_readings():
+    """Second review: a plan keeping fewer layers than the one read is planned on the sum; its misses (a correction's
+    case) dropped the readings and, the second time, for good."""
+    plan = unmarked_planner()
+    for _ in range(2):
+        step(plan, 2, 5500.0)
+        step(plan, 1, 5000.0 + 1000.0 + 300.0)  # keeping one, on the sum, misses by 300
+    assert plan.read_growths.read[KEY] == {(2,): (100, 100, 500.0)} and not plan.read_growths.misses
+    assert plan.corrections  # the corrections have it
+
+
+def test_a_reading_is_costed_again_at_its_own_length():
+    """Second review: the sum a reading is compared with was taken again at the length of the plan that uses it, not
+    the reading's own; a longer sequence in the same bucket (a cost per token and sequence position) made the read
+    plan's sum, and so what it showed was not added, larger than it was."""
+    plan = KeepPlanner()
+    plan.configure([0] * LAYERS, 4, None)
+    for position in range(LAYERS):
+        plan.measured(position, 100, 100, 1000.0)
+        plan.measured(position, 100, 50, 600.0)  # a term in tokens x seq: 200 of the 1000 at seq 100 (400 at 50)
+    plan.longest_read_tokens, plan.segmented = 1000, False
+    plan.forward(100, 100, 2, 5000.0)
+    plan.backward()
+    plan.end_step(5000.0 + 500.0)
+    ((keeps, (tokens, seq, growth)),) = plan.read_growths.read[KEY].items()
+    assert (keeps, tokens, seq, growth) == ((2,), 100, 100, 500.0)
+    longer = 107  # the same bucket as 100
+    assert length_bucket(longer) == length_bucket(100)
+    read_sum = 2 * plan.layer_bytes(0, 100, 100)
+    assert plan.growth([(4, 100, longer)]) == pytest.approx(4 * plan.layer_bytes(0, 100, longer) - (read_sum - 500.0))
+
+
+def test_a_state_of_another_shape_loads_without_its_readings():
+    """Second review: a state written by an intermediate form of this change (never released) failed to load, and the
+    controller gave up for the run; one of another shape now loads with its readings left out, read again."""
+    plan = unmarked_planner()
+    plan.load_state_dict(
+        {"read_growths": {"read": [[53, 1, 1, [2], 100, 500.0], [53, 1, [2], 100, 1500.0]], "misses": [[53, 1, 1, 1]]}}
+    )
+    assert plan.read_growths.read == {} and plan.read_growths.misses == {}

@@ -8,8 +8,8 @@ reading (:meth:`~KeepPlanner.end_step`). What makes its plan right by constructi
 - **each layer its own cost** (:class:`~autooffload.decide.activations.KeptLayerModel`); a layer not measured yet
   costs the most any measured layer costs at that length, scaled up by its share of matrix weights;
 - **what the kept layers add to the real peak**: read off the step's segments at that length
-  (:mod:`~autooffload.decide.growth`), or where no step is read in segments (compiled, a probe without them) the
-  sum of what they save less what whole steps' readings showed it exceeds by (:mod:`~.read_growth`);
+  (:mod:`~autooffload.decide.growth`), or with a probe that reads none the sum of what they save less what whole
+  steps' readings showed it exceeds by (:mod:`~.read_growth`; not under compile: the sum there);
 - **every forward alive before one backward**: forwards are counted between backwards, the most alive together
   over the recent steps is learned, and a forward's plan leaves room for the ones before it and still to come
   (where more are alive than any reading saw, for their whole footprint);
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import ladder
@@ -79,7 +79,7 @@ class KeepPlanner:
         self.profiles = Profiles()  # the steps' segments, per bucket of lengths and forwards alive together
         self.segmented = True  # the probe reads segments (until a marked step shows it does not)
         self.compiled = False  # under torch.compile the profiles are not read (the measured step is not the timed one)
-        self.read_growths = ReadGrowths()  # where no step is read in segments, what whole steps' readings showed
+        self.read_growths = ReadGrowths()  # eagerly without segments: what whole steps' readings showed
 
     # ---- the model --------------------------------------------------------------------------------------
 
@@ -175,8 +175,8 @@ class KeepPlanner:
                 added += cost  # type: ignore[operator]
                 cumulative.append(held + expected * (added + extra))
             if (key := self._key(planned, whole=True)) is not None:  # less what whole steps' readings showed
-                earlier_keeps, total = [f[0] for f in earlier], self._sum(seq)
-                cumulative = self.read_growths.tightened(key, earlier_keeps, expected, cumulative, tokens, total)
+                most, tightened = max([tokens, *(t for _, t, _ in earlier)]), self.read_growths.tightened
+                cumulative = tightened(key, [f[0] for f in earlier], expected, cumulative, most, self._plan_sum)
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
 
@@ -187,10 +187,9 @@ class KeepPlanner:
         profile, tokens = self._profile(forwards), max(tokens for _, tokens, _ in forwards)
         if profile is not None:
             return profile.growth(kept, tokens)
-        key, total = self._key(forwards, whole=True), sum(map(sum, kept))
-        keeps, seq = [f[0] for f in forwards], forwards[-1][2]
-        excess = self.read_growths.excess(key, keeps, tokens, self._sum(seq)) if key is not None else 0.0
-        return max(total - excess, 0.0)
+        key, keeps = self._key(forwards, whole=True), [f[0] for f in forwards]
+        excess = self.read_growths.excess(key, keeps, tokens, self._plan_sum) if key is not None else 0.0
+        return max(sum(map(sum, kept)) - excess, 0.0)
 
     def _kept_layers(self, keep: int, tokens: int, seq: int, extra: bool = True) -> list[float]:
         """Per layer, what it holds kept by a forward that keeps the last ``keep`` layers (0 where it recomputes); the
@@ -211,8 +210,8 @@ class KeepPlanner:
         usable = len(buckets) == 1 and not self.compiled and self.segmented != whole
         return (buckets.pop(), len(forwards)) if usable else None
 
-    def _sum(self, seq: int) -> Callable[[Sequence[int], int], float]:  # a plan's sum (kept counts, tokens), now
-        return lambda keeps, tokens: sum(sum(self._kept_layers(keep, tokens, seq)) for keep in keeps)
+    def _plan_sum(self, keeps: Sequence[int], tokens: int, seq: int) -> float:  # what a plan's kept layers save
+        return sum(sum(self._kept_layers(keep, tokens, seq)) for keep in keeps)
 
     def _profile(self, forwards: list[tuple[int, int, int]]) -> Profile | None:
         key = self._key(forwards)
@@ -346,7 +345,8 @@ class KeepPlanner:
         """A reading above the plan of ``forwards``: drop the profile or whole steps' readings it stood on, if any."""
         if (key := self._key(forwards)) is not None:
             return self.profiles.distrust(key)
-        return (whole := self._key(forwards, whole=True)) is not None and self.read_growths.missed(whole)
+        whole, keeps, tokens = self._key(forwards, whole=True), [f[0] for f in forwards], max(f[1] for f in forwards)
+        return whole is not None and self.read_growths.missed(whole, keeps, tokens, self._plan_sum)
 
     def _read_whole(self, reading: float, total: float | None, group: list[Forward]) -> None:
         """What the kept layers of the group predicted highest added to a clean step read whole, against their sum;
@@ -357,7 +357,8 @@ class KeepPlanner:
             return
         bound = sum(map(sum, (self._kept_layers(*f) for f in forwards)))
         added = max(reading - (total - group[-1].growth), 0.0)
-        self.read_growths.add(key, [f.keep for f in group], min(f.tokens for f in group), added, bound)
+        tokens, seq = min(f.tokens for f in group), min(f.seq for f in group)
+        self.read_growths.add(key, [f.keep for f in group], tokens, seq, added, bound)
 
     # ---- resume ---------------------------------------------------------------------------------------
 
