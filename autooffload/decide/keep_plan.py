@@ -175,8 +175,8 @@ class KeepPlanner:
                 added += cost  # type: ignore[operator]
                 cumulative.append(held + expected * (added + extra))
             if (key := self._key(planned, whole=True)) is not None:  # less what whole steps' readings showed
-                most, tightened = max([tokens, *(t for _, t, _ in earlier)]), self.read_growths.tightened
-                cumulative = tightened(key, [f[0] for f in earlier], expected, cumulative, most, self._plan_sum)
+                keeps, tokens_most = [f[0] for f in earlier], max(t for _, t, _ in planned)
+                cumulative = self.read_growths.tightened(key, keeps, expected, cumulative, tokens_most, self._plan_sum)
         widened = margin * (1 + self.misses)
         return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
 
