@@ -37,15 +37,18 @@ that the budget, memory_high x size, falls where the scenario says; every step's
 
 Time: the process's CPU time per step on the CPU (``time.process_time``: a shared machine's other load moves
 it far less than wall time), CUDA events on the GPU. A step is forward + backward; gradients are dropped
-(no optimizer: it does not depend on the mode). Controllers warm up on the scenario's lengths first (a run
+(no optimizer: it does not depend on the mode). Python's full collections run between steps, not in them
+(:func:`whole_heap_collections_outside`). Controllers warm up on the scenario's lengths first (a run
 past its first steps: they have readings and measurements), then every round runs the trace once per mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -209,6 +212,22 @@ class Bench:
         return torch.randint(0, self.shape.vocab, (batch, seq), generator=generator).to(self.device)
 
 
+@contextlib.contextmanager
+def whole_heap_collections_outside() -> Any:
+    """A timed step with Python's young collections as in any run, and the whole heap collected before it instead
+    of inside it. A full collection walks every object the process holds (all the modes' models, dynamo's caches),
+    0.3-2 s here, and lands in whichever mode's step crosses the threshold: on the Jamba scenario one step in a few
+    rounds ran 2x, from plain's, every other layer's or autooffload's step alike (the reason ``timeit`` turns the
+    collector off while it times)."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(*thresholds[:2], 1 << 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
 class Mode:
     def __init__(self, name: str, bench: Bench) -> None:
         self.name, self.bench = name, bench
@@ -239,10 +258,11 @@ class Mode:
             self.controller.attach(model, compiled=self.compiled)
         inputs = [bench.ids(seq, seed + i, batch) for i in range(forwards)]
         try:
-            if bench.device == "cuda":
-                reading, seconds, plans = self._cuda_step(model, inputs, autocast)
-            else:
-                reading, seconds, plans = self._cpu_step(model, inputs, seq, autocast)
+            with whole_heap_collections_outside():
+                if bench.device == "cuda":
+                    reading, seconds, plans = self._cuda_step(model, inputs, autocast)
+                else:
+                    reading, seconds, plans = self._cpu_step(model, inputs, seq, autocast)
             model.zero_grad(set_to_none=True)
             self.probe.last = reading
             if self.controller is not None:
@@ -421,10 +441,13 @@ def run_scenario(
         held = len(mode.steps)  # mode's own warm-up: its steps are not kept)
         mode.settle(lengths, how)
         del mode.steps[held:]
+    gc.collect()
+    gc.freeze()  # what the warm-ups built stays: each step's collection before it walks only what came since
     for round_ in range(rounds):
         for i, seq in enumerate(lengths):
             for j in range(len(modes)):
                 modes[(round_ + i + j) % len(modes)].step(seq, seed=1000 * round_ + 10 * i, **how)
+    gc.unfreeze()
     for mode in modes:
         mode.host.release_all()
     limit = HIGH * scenario.total
