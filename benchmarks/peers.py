@@ -46,6 +46,7 @@ import inspect
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -72,6 +73,8 @@ COMPILED = ("compile-plain", *(f"compile-{b}" for b in BUDGETS), "compile-auto")
 LAYERS = ("layers-plain", "layers-auto")
 MODES = EAGER + COMPILED + LAYERS
 OURS = ("always", "auto", "compile-auto", "layers-auto")
+# Whom each of ours is held against round by round: the other modes of its kind.
+KIND = {"always": EAGER, "auto": EAGER, "compile-auto": COMPILED, "layers-auto": LAYERS}
 
 
 # ---- the peers ----------------------------------------------------------------------------------------------
@@ -412,7 +415,34 @@ def run(bench: ladder.Bench, name: str, scenario: ladder.Scenario, rounds: int, 
         bench, peers, scenario, "layers-plain"
     )
     result["graph_breaks"] = graph_breaks()
+    for ours in OURS:
+        if ours in values:
+            fitting_peers = [m for m in values if m not in OURS and values[m]["fits"]]
+            values[ours]["paired"] = {m: paired(values, ours, m) for m in fitting_peers}
     return result
+
+
+def paired(values: dict[str, Any], ours: str, peer: str) -> dict[str, Any]:
+    """``ours`` against ``peer`` round by round. A round runs every mode step by step, interleaved, so what moves a
+    whole round (the shared machine's other load, its clock) moves both: the per-round ratio cancels it, where each
+    mode's own spread (slowest - fastest round) holds it twice. Beyond the spread: the ratio on one side of 1 in
+    every round."""
+    ratios = [a / b for a, b in zip(values[ours]["round_s"], values[peer]["round_s"], strict=True)]
+    low, high = min(ratios), max(ratios)
+    return dict(
+        median=statistics.median(ratios),
+        low=low,
+        high=high,
+        faster_rounds=sum(r < 1 for r in ratios),
+        rounds=len(ratios),
+        beyond=high < 1 or low > 1,
+    )
+
+
+def fastest_peer(values: dict[str, Any], ours: str) -> str | None:
+    """The fastest mode of ``ours``'s kind that fits, not one of ours."""
+    kind = [m for m in KIND[ours] if m in values and m not in OURS and values[m]["fits"]]
+    return min(kind, key=lambda m: values[m]["median_s"], default=None)
 
 
 def verdicts(result: dict[str, Any]) -> list[str]:
@@ -488,6 +518,26 @@ def summary(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def paired_table(results: list[dict[str, Any]]) -> list[str]:
+    columns = [m for m in ("auto", "compile-auto", "layers-auto") if any(m in r["modes"] for r in results)]
+    lines = ["| scenario | " + " | ".join(f"`{m}`" for m in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for result in results:
+        values, cells = result["modes"], []
+        for ours in columns:
+            peer = fastest_peer(values, ours) if ours in values and values[ours]["fits"] else None
+            if peer is None:
+                cells.append("-")
+                continue
+            p = values[ours]["paired"][peer]
+            name = NAMES.get(peer, peer.replace("compile-", "budget ") if peer[-1].isdigit() else peer)
+            cells.append(
+                f"{name}: {p['median']:.3f} ({p['low']:.3f}-{p['high']:.3f}), faster in {p['faster_rounds']} of "
+                f"{p['rounds']}{', **beyond**' if p['beyond'] else ''}"
+            )
+        lines.append(f"| {result['scenario']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = [
         "# autooffload and PyTorch's own ways to fit a budget: CPU",
@@ -522,6 +572,13 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
                 f"| {'yes' if v['fits'] else '**no**'} | {v['kept']:.0%} | {v['offloaded']:.0%} | {compiled} |"
             )
     lines += ["", "Against plain checkpointing (its time = 1), half the spread after ±:", "", *summary(results)]
+    lines += [
+        "",
+        "Round by round against the fastest mode of its kind that fits (ours' time / its time, the median and the",
+        "range over the rounds; **beyond** = on one side of 1 in every round):",
+        "",
+        *paired_table(results),
+    ]
     lines += ["", "Per scenario:", ""]
     for result in results:
         lines.append(f"- {ladder.describe(result)}; fastest peer that fits: {result['fastest_fitting_peer']}")

@@ -74,3 +74,23 @@ def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
     rows = [r for r in result["compiled_equal"] if r["auto"] == "layers-auto"]
     assert rows and all(r["loss_equal"] and r["grad_diff_rel"] < 1e-5 for r in rows)
     assert "layers-auto against layers-plain" in (tmp_path / "peers.md").read_text()
+
+
+def test_round_by_round_the_machines_drift_cancels_and_a_tie_stays_a_tie():
+    """Every round runs each mode step by step, interleaved: a slow round (the shared machine's load) is slow for
+    all. Each mode's own spread holds that drift, and two modes 8% apart read as within it; round by round the
+    drift cancels and the one faster in every round is beyond. A mode faster in some rounds only is not."""
+    drift = [1.0, 1.0, 1.3, 1.0, 1.25, 1.0, 1.0, 1.0]
+    values = {
+        "auto": dict(round_s=[0.92 * d for d in drift], fits=True),
+        "every-2nd": dict(round_s=[1.0 * d for d in drift], fits=True),
+        "sac": dict(round_s=[(0.9 if i % 2 else 0.95) * d for i, d in enumerate(drift)], fits=True),
+    }
+    for v in values.values():
+        v["median_s"] = sorted(v["round_s"])[4]
+    beyond = peers.paired(values, "auto", "every-2nd")
+    assert beyond["beyond"] and beyond["faster_rounds"] == 8 and abs(beyond["median"] - 0.92) < 1e-9
+    assert (max(values["auto"]["round_s"]) - min(values["auto"]["round_s"])) / values["auto"]["median_s"] / 2 > 0.08
+    tie = peers.paired(values, "auto", "sac")
+    assert not tie["beyond"] and 0 < tie["faster_rounds"] < 8
+    assert peers.fastest_peer(values, "auto") == "sac"
