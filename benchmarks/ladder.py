@@ -215,10 +215,11 @@ class Bench:
 @contextlib.contextmanager
 def whole_heap_collections_outside() -> Any:
     """A timed step with Python's young collections as in any run, and the whole heap collected before it instead
-    of inside it. A full collection walks every object the process holds (all the modes' models, dynamo's caches),
-    0.3-2 s here, and lands in whichever mode's step crosses the threshold: on the Jamba scenario one step in a few
-    rounds ran 2x, from plain's, every other layer's or autooffload's step alike (the reason ``timeit`` turns the
-    collector off while it times)."""
+    of inside it. A full collection walks every object the process holds (all the modes' models, dynamo's caches):
+    0.24-0.37 s with four modes here, more with every mode's graphs. It lands in whichever mode's step crosses the
+    threshold: on the Jamba scenario one step in a few rounds ran 2x, from plain's, every other layer's or
+    autooffload's step alike (the reason ``timeit`` turns the collector off while it times). Python 3.11-3.13 only
+    start a full collection past the third threshold; an incremental collector may not."""
     thresholds = gc.get_threshold()
     gc.collect()
     gc.set_threshold(*thresholds[:2], 1 << 30)
@@ -443,11 +444,13 @@ def run_scenario(
         del mode.steps[held:]
     gc.collect()
     gc.freeze()  # what the warm-ups built stays: each step's collection before it walks only what came since
-    for round_ in range(rounds):
-        for i, seq in enumerate(lengths):
-            for j in range(len(modes)):
-                modes[(round_ + i + j) % len(modes)].step(seq, seed=1000 * round_ + 10 * i, **how)
-    gc.unfreeze()
+    try:
+        for round_ in range(rounds):
+            for i, seq in enumerate(lengths):
+                for j in range(len(modes)):
+                    modes[(round_ + i + j) % len(modes)].step(seq, seed=1000 * round_ + 10 * i, **how)
+    finally:
+        gc.unfreeze()
     for mode in modes:
         mode.host.release_all()
     limit = HIGH * scenario.total

@@ -101,3 +101,26 @@ def test_a_timed_step_holds_no_whole_heap_collection_and_the_garbage_before_it_i
     assert seen["garbage_alive"] is False
     assert seen["thresholds"][:2] == before[:2] and seen["thresholds"][2] >= 1 << 30
     assert gc.get_threshold() == before
+
+
+def test_a_round_that_raises_leaves_nothing_frozen():
+    """The rounds run with what the warm-ups built frozen out of the collector; a step that raises must not leave it
+    so (the process's models and graphs would never be collected again: a pytest session, a notebook)."""
+    import gc
+
+    import pytest
+
+    bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
+    scenario = ladder_bench.Scenario([bench.shape.short], 10**12)
+    mode = ladder_bench.Mode("plain", bench)
+    step = mode.step
+
+    def failing(seq, seed, timed=True, **how):
+        if timed:
+            raise RuntimeError("a timed step failed")
+        return step(seq, seed, timed=timed, **how)
+
+    mode.step = failing
+    with pytest.raises(RuntimeError, match="a timed step failed"):
+        ladder_bench.run_scenario(bench, "a", scenario, 1, [mode])
+    assert gc.get_freeze_count() == 0
