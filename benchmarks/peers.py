@@ -404,21 +404,19 @@ def run(bench: ladder.Bench, name: str, scenario: ladder.Scenario, rounds: int, 
                 spent=budget.spent, recompiled=budget.recompiles, latched=peer.controller.planner.latched
             )
     fitting = [m for m in modes if values[m]["fits"] and m not in OURS]
-    fastest = min(fitting, key=lambda m: values[m]["median_s"], default=None)
+    fastest = fastest_fitting(values, fitting)
     result["fastest_fitting_peer"] = fastest
     for v in values.values():
         v["vs_fastest_fitting"] = v["median_s"] / values[fastest]["median_s"] if fastest else None
     budgets = [m for m in modes if m.startswith("compile-") and m[len("compile-") :][0].isdigit()]
-    fitting_budgets = [m for m in budgets if values[m]["fits"]]
-    result["fastest_fitting_budget"] = min(fitting_budgets, key=lambda m: values[m]["median_s"], default=None)
+    result["fastest_fitting_budget"] = fastest_fitting(values, budgets)
     result["compiled_equal"] = compare_compiled(bench, peers, scenario) + compare_compiled(
         bench, peers, scenario, "layers-plain"
     )
     result["graph_breaks"] = graph_breaks()
     for ours in OURS:
         if ours in values:
-            fitting_peers = [m for m in values if m not in OURS and values[m]["fits"]]
-            values[ours]["paired"] = {m: paired(values, ours, m) for m in fitting_peers}
+            values[ours]["paired"] = {m: paired(values, ours, m) for m in fitting}
     return result
 
 
@@ -439,10 +437,15 @@ def paired(values: dict[str, Any], ours: str, peer: str) -> dict[str, Any]:
     )
 
 
+def fastest_fitting(values: dict[str, Any], modes: list[str] | tuple[str, ...]) -> str | None:
+    """The fastest of ``modes`` that ran and fits."""
+    fitting = [m for m in modes if m in values and values[m]["fits"]]
+    return min(fitting, key=lambda m: values[m]["median_s"], default=None)
+
+
 def fastest_peer(values: dict[str, Any], ours: str) -> str | None:
     """The fastest mode of ``ours``'s kind that fits, not one of ours."""
-    kind = [m for m in KIND[ours] if m in values and m not in OURS and values[m]["fits"]]
-    return min(kind, key=lambda m: values[m]["median_s"], default=None)
+    return fastest_fitting(values, [m for m in KIND[ours] if m not in OURS])
 
 
 def verdicts(result: dict[str, Any]) -> list[str]:
@@ -486,6 +489,11 @@ SUMMARY = (
 NAMES = {"every-2nd": "every other layer", "hf-offload": "`offload=True`", "plain": "plain", "none": "none"}
 
 
+def display_name(mode: str) -> str:
+    """How the summaries name a mode: ``compile-0.5`` as budget 0.5."""
+    return NAMES.get(mode, mode.replace("compile-", "budget ") if mode[-1].isdigit() else mode)
+
+
 def _cell(values: dict[str, Any], modes: tuple[str, ...], single: bool) -> str:
     """A summary cell: one mode (its ratio to plain, spread, whether it fits) or the fastest of ``modes`` that fits."""
     present = [m for m in modes if m in values]
@@ -495,13 +503,11 @@ def _cell(values: dict[str, Any], modes: tuple[str, ...], single: bool) -> str:
         v = values[present[0]]
         over = "" if v["fits"] else f", over ({v['max_reading_over_budget']:.2f})"
         return f"{v['vs_plain']:.3f} ±{v['spread'] / 2:.0%}{over}"
-    fitting = [m for m in present if values[m]["fits"]]
-    if not fitting:
+    best = fastest_fitting(values, present)
+    if best is None:
         return "none fits"
-    best = min(fitting, key=lambda m: values[m]["median_s"])
     v = values[best]
-    name = NAMES.get(best, best.replace("compile-", "budget ") if best[-1].isdigit() else best)
-    return f"{name}: {v['vs_plain']:.3f} ±{v['spread'] / 2:.0%}"
+    return f"{display_name(best)}: {v['vs_plain']:.3f} ±{v['spread'] / 2:.0%}"
 
 
 def summary(results: list[dict[str, Any]]) -> list[str]:
@@ -529,10 +535,9 @@ def paired_table(results: list[dict[str, Any]]) -> list[str]:
                 cells.append("-")
                 continue
             p = values[ours]["paired"][peer]
-            name = NAMES.get(peer, peer.replace("compile-", "budget ") if peer[-1].isdigit() else peer)
             cells.append(
-                f"{name}: {p['median']:.3f} ({p['low']:.3f}-{p['high']:.3f}), faster in {p['faster_rounds']} of "
-                f"{p['rounds']}{', **beyond**' if p['beyond'] else ''}"
+                f"{display_name(peer)}: {p['median']:.3f} ({p['low']:.3f}-{p['high']:.3f}), "
+                f"faster in {p['faster_rounds']} of {p['rounds']}{', **beyond**' if p['beyond'] else ''}"
             )
         lines.append(f"| {result['scenario']} | " + " | ".join(cells) + " |")
     return lines

@@ -7,10 +7,14 @@ sized from real readings (docs/ladder.md)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import sys
+import weakref
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ladder_bench", ROOT / "benchmarks" / "ladder.py")
@@ -72,8 +76,6 @@ def test_a_timed_step_holds_no_whole_heap_collection_and_the_garbage_before_it_i
     in whichever mode's step crossed its threshold: on the Jamba scenario one round in a few took 2x, charged to
     plain, every other layer or autooffload alike. Now the heap is collected before each step, young collections
     run in it as in any run, and the thresholds come back after."""
-    import gc
-    import weakref
 
     class Node:
         pass
@@ -106,10 +108,6 @@ def test_a_timed_step_holds_no_whole_heap_collection_and_the_garbage_before_it_i
 def test_a_round_that_raises_leaves_nothing_frozen():
     """The rounds run with what the warm-ups built frozen out of the collector; a step that raises must not leave it
     so (the process's models and graphs would never be collected again: a pytest session, a notebook)."""
-    import gc
-
-    import pytest
-
     bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
     scenario = ladder_bench.Scenario([bench.shape.short], 10**12)
     mode = ladder_bench.Mode("plain", bench)
