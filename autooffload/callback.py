@@ -87,6 +87,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         policy: Policy | str | None = None,
         rescue: bool | None = None,
         host_memory: str | float | None = None,
+        keep_margin: float | None = None,
     ) -> None:
         given = dict(
             mode=mode,
@@ -102,6 +103,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             sync_ranks=sync_ranks,
             recompute=recompute,
             host_memory=host_memory,
+            keep_margin=keep_margin,
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}

@@ -63,6 +63,7 @@ class Run:
         recompute: str | None = None,
         rescue: bool | None = None,
         host_memory: str | float | None = None,
+        keep_margin: float | None = None,
         probe: MemoryProbe | str | None = "auto",
         policy: Policy | str | None = None,
         host: HostMemory | None = None,
@@ -81,6 +82,7 @@ class Run:
             recompute=recompute,
             rescue=rescue,
             host_memory=host_memory,
+            keep_margin=keep_margin,
             policy=policy if isinstance(policy, str) else None,
         )
         if not (policy is None or isinstance(policy, str) or callable(getattr(policy, "decide", None))):

@@ -53,6 +53,9 @@ class Settings:
     ``recompute``: ``"always"`` (every checkpointed layer recomputes its forward in the backward, as plain
     checkpointing does) or ``"auto"`` (in ``auto`` mode, the last checkpointed layers may run without
     checkpointing, their activations kept, when the predicted peak leaves room: :mod:`autooffload.decide.ladder`).
+    ``keep_margin``: what keep leaves free below ``memory_high``, a share of the device: room for what the
+    prediction misses (fragmentation, transient buffers); each reading above a prediction widens it by 0.05 until
+    the readings are calm again.
     ``host_memory``: the host memory offload may hold on this node, shared by its ranks (``LOCAL_WORLD_SIZE``):
     a fraction of host RAM (``"0.5"``, or the number ``0.5``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``,
     half of the host memory available at start. Every level is capped at what fits
@@ -71,6 +74,7 @@ class Settings:
     rescue: bool = True
     sync_ranks: bool = True
     recompute: str = "always"
+    keep_margin: float = 0.05
     host_memory: str = "auto"
 
     def __post_init__(self) -> None:
@@ -311,6 +315,7 @@ _ALLOWED = {
     "rescue": ("a boolean (1 or 0)", lambda v: isinstance(v, bool)),
     "memory_high": ("a fraction in (0, 1]", lambda v: 0.0 < v <= 1.0),
     "memory_low": ("a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+    "keep_margin": ("a fraction in [0, 0.5]", lambda v: 0.0 <= v <= 0.5),
     "seq_high": ("an integer >= 1", lambda v: v >= 1),
     "seq_low": ("an integer >= 0", lambda v: v >= 0),
     "min_steps": ("an integer >= 0", lambda v: v >= 0),

@@ -230,6 +230,42 @@ def test_the_hooks_leave_a_compiled_model_in_one_graph():
     assert explained.graph_count == 1, explained.break_reasons
 
 
+def test_every_layer_kept_compiles_the_graphs_the_model_compiles_without_autooffload():
+    """Where every layer keeps, the compiled step is the partitioner's own: the forward and backward graphs AOTAutograd
+    hands the compiler are the ones of the same model compiled with checkpointing off and no autooffload, node for
+    node. What compiled ``auto`` costs there beyond that step is its own work per micro-batch, outside the graphs
+    (the peers benchmark's (a), docs/compile.md)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def graphs(net: torch.nn.Module, controller: OffloadController | None = None) -> list[str]:
+        torch_dynamo.reset()
+        codes: list[str] = []
+
+        def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+            codes.append(gm.code)
+            return make_boxed_func(gm.forward)
+
+        compiled = torch.compile(net, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        ids = random_ids(64)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        if controller is not None:
+            controller.detach()
+        return codes
+
+    reference = model().train()
+    without = graphs(copy.deepcopy(reference))
+    net = copy.deepcopy(reference)
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(Settings(recompute="auto"), probe=None)
+    controller.attach(net, compiled=True)
+    controller.before_forward = lambda *call: 0  # the test installs the plan itself
+    controller.switch.apply(0, LAYERS)
+    ours = graphs(net, controller)
+    assert len(without) == 2  # one forward graph, one backward graph
+    assert ours == without
+
+
 def test_after_a_measuring_micro_batch_the_model_compiles_whole_again_once_its_frames_are_given_back():
     """recompute="auto" measures the layers at a new length with eager-frame functions (a graph break in the layers'
     loop): dynamo gives that frame up and compiles the frame around it, the causal LM's, with a break at the call.

@@ -205,6 +205,9 @@ def test_an_under_prediction_raises_nearby_lengths_and_a_repeated_one_widens_the
     assert plan.misses == MISS_LIMIT
     # Where no correction reaches (300 tokens: 3000 per layer), the margin is five margins now.
     assert plan.count(0, 300, 300, 13_000, 500) == 3 and plan.count(0, 300, 300, 13_000, 0) == 4
+    # A margin set narrower (keep_margin, here none) still widens by the shipped margin at each miss not calmed:
+    # before, it widened by itself, so a margin of 0 never widened.
+    assert plan.count(0, 300, 300, 13_000, 0, widen_by=500) == 3
     # Readings that show the correction is not needed ease it back; keep never stays off for good.
     for _ in range(4 * CALM_STEPS):
         plan.forward(100, 100, 1, 1000.0)
@@ -465,9 +468,10 @@ class RecordingDevice:
         return device
 
 
-def train_on_device(net, device, lengths, forwards=1):
+def train_on_device(net, device, lengths, forwards=1, **settings):
     """Train with recompute="auto" against ``device`` (a SimulatedDevice); the kept layers of every forward."""
-    controller = OffloadController(Settings(recompute="auto", memory_high=HIGH, memory_low=0.5), probe=device)
+    settings = Settings(recompute="auto", memory_high=HIGH, memory_low=0.5, **settings)
+    controller = OffloadController(settings, probe=device)
     controller.attach(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     kept = []
@@ -502,6 +506,25 @@ def test_two_forwards_keep_what_the_real_peak_has_room_for_not_what_the_saved_by
     saved = sum(keep.kept_bytes(k, seq, seq) for k in kept[-2:])
     assert saved > 1.6 * one  # the layers kept save more than the room: they are not all alive at the peak
     assert max(device.readings) <= HIGH * total, [round(r / (HIGH * total), 3) for r in device.readings]
+
+
+def test_a_narrower_keep_margin_keeps_in_the_room_it_frees_and_stays_under_memory_high():
+    """keep_margin is what keep leaves free below memory_high. The test above's two forwards, on a device with room
+    under memory_high for 1.6 forwards' worth of kept layers: the default margin leaves 5% of the device of it free,
+    none leaves nothing, so keep takes more, and no reading passes memory_high (the prediction is the real peak
+    here, read in segments)."""
+    net = checkpointed(qwen3(dropout=0.0))
+    seq = 128
+    one = real_peak(net, seq, LAYERS) - real_peak(net, seq, 0)
+    static = sum(p.numel() * p.element_size() for p in net.parameters())
+    total = round((static + real_peak(net, seq, 0, forwards=2) + 1.6 * one) / HIGH)
+    kept = {}
+    for margin in (ladder.KEEP_MARGIN, 0.0):
+        device = RecordingDevice(total)
+        _, per_forward = train_on_device(copy.deepcopy(net), device, [seq] * 6, forwards=2, keep_margin=margin)
+        kept[margin] = sum(per_forward[-2:])
+        assert max(device.readings) <= HIGH * total, (margin, [round(r / (HIGH * total), 3) for r in device.readings])
+    assert kept[0.0] > kept[ladder.KEEP_MARGIN], kept
 
 
 def tiny_jamba() -> torch.nn.Module:

@@ -10,6 +10,7 @@ def test_defaults():
     assert (s.mode, s.memory_high, s.memory_low, s.min_steps) == ("auto", 0.90, 0.80, 2)
     assert s.seq_low <= s.seq_high
     assert (s.policy, s.rescue) == ("predictive", True)
+    assert s.keep_margin == 0.05
 
 
 @pytest.mark.parametrize(("raw", "value"), [("0", False), ("off", False), ("FALSE", False), ("1", True), ("yes", True)])
@@ -248,6 +249,8 @@ def test_a_long_bad_value_is_shortened_in_the_error(env, arguments):
         ({}, {"AUTOOFFLOAD_SEQ_LOW": "-1"}, r"^AUTOOFFLOAD_SEQ_LOW=-1 is not allowed: expected an integer >= 0"),
         ({"compile_max_switches": -1}, {}, r"^argument compile_max_switches=-1 is not allowed: expected an integer"),
         ({}, {"AUTOOFFLOAD_COMPILE_MAX_SWITCHES": "-1"}, r"^AUTOOFFLOAD_COMPILE_MAX_SWITCHES=-1 is not allowed"),
+        ({"keep_margin": 0.6}, {}, r"^argument keep_margin=0\.6 is not allowed: expected a fraction in \[0, 0\.5\]"),
+        ({}, {"AUTOOFFLOAD_KEEP_MARGIN": "-0.01"}, r"^AUTOOFFLOAD_KEEP_MARGIN=-0\.01 is not allowed: expected a"),
     ],
 )
 def test_each_documented_bound_is_refused_from_every_source(monkeypatch, arguments, env, message):
@@ -264,3 +267,5 @@ def test_each_documented_bound_is_refused_from_every_source(monkeypatch, argumen
 def test_the_bounds_themselves_are_allowed():
     s = Settings(memory_high=1.0, memory_low=0.0, seq_low=0, compile_max_switches=0, min_steps=0)
     assert (s.memory_high, s.memory_low, s.seq_low, s.compile_max_switches, s.min_steps) == (1.0, 0.0, 0, 0, 0)
+    assert Settings(keep_margin=0.0).keep_margin == 0.0 and Settings(keep_margin=0.5).keep_margin == 0.5
+    assert Settings.from_env({"AUTOOFFLOAD_KEEP_MARGIN": "0.02"}).keep_margin == 0.02

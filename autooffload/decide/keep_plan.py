@@ -146,18 +146,14 @@ class KeepPlanner:
     # ---- the plan -------------------------------------------------------------------------------------
 
     def count(
-        self,
-        predicted: float,
-        tokens: int,
-        seq: int,
-        limit: float,
-        margin: float,
-        levels: tuple[int, ...] | None = None,
-    ) -> int:
+        self, predicted: float, tokens: int, seq: int, limit: float, margin: float,
+        levels: tuple[int, ...] | None = None, widen_by: float | None = None,
+    ) -> int:  # fmt: skip
         """How many of the last layers keep for this forward. ``predicted``: the step's all-recompute peak at this
-        length; ``limit``: memory_high x device memory; ``margin``: the bytes keep leaves free, before widening. What
-        the forwards since the last backward kept is held, and the footprints the prediction does not cover
-        (:meth:`beyond`); this forward and the ones still expected before the backward each keep the same."""
+        length; ``limit``: memory_high x device memory; ``margin``: the bytes keep leaves free, before widening;
+        ``widen_by``: the bytes each miss not yet calmed adds to it (``margin`` where not given). What the forwards
+        since the last backward kept is held, and the footprints the prediction does not cover (:meth:`beyond`);
+        this forward and the ones still expected before the backward each keep the same."""
         if tokens <= 0 or tokens > self.longest_read_tokens or not self.layers:
             return 0
         earlier = [(f.keep, f.tokens, f.seq) for f in self._group]
@@ -177,7 +173,7 @@ class KeepPlanner:
             if (key := self._key(planned, whole=True)) is not None:  # less what whole steps' readings showed
                 keeps, tokens_most = [f[0] for f in earlier], max(t for _, t, _ in planned)
                 cumulative = self.read_growths.tightened(key, keeps, expected, cumulative, tokens_most, self._plan_sum)
-        widened = margin * (1 + self.misses)
+        widened = margin + (margin if widen_by is None else widen_by) * self.misses
         return ladder.keep(predicted + self.beyond(), cumulative, len(self.layers), limit, widened, levels)
 
     def growth(self, forwards: list[tuple[int, int, int]]) -> float:

@@ -23,8 +23,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-# What keep leaves free below memory_high, as a share of the device: room for what the prediction misses
-# (fragmentation, a kept layer's transient buffers).
+# What keep leaves free below memory_high by default (the keep_margin setting), as a share of the device: room for
+# what the prediction misses (fragmentation, a kept layer's transient buffers). Each miss not yet calmed widens the
+# margin by this much, whatever keep_margin is: a narrow margin set by hand still widens where readings miss.
 KEEP_MARGIN = 0.05
 
 

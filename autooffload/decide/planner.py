@@ -251,7 +251,8 @@ class Planner:
         self.keep_plain = predicted
         levels = ladder.keep_levels(self.layers, self.settings.compile_max_switches) if self.compiled else None
         limit = self.settings.memory_high * reading.total
-        return self.keep.count(predicted, tokens, seq_len, limit, ladder.KEEP_MARGIN * reading.total, levels)
+        margin, widen_by = self.settings.keep_margin * reading.total, ladder.KEEP_MARGIN * reading.total
+        return self.keep.count(predicted, tokens, seq_len, limit, margin, levels, widen_by)
 
     def _alive_level(self, decided: int, reading: LastReading) -> int:
         """Layers this micro-batch offloads because forwards before it are still alive: where what they hold beyond

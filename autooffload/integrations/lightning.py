@@ -93,13 +93,14 @@ class AutoOffload(Callback):
         policy: Policy | str | None = None,
         rescue: bool | None = None,
         host_memory: str | float | None = None,
+        keep_margin: float | None = None,
         model: str | Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         history_dir: str | os.PathLike | None = None,
     ) -> None:
         given = dict(
             mode=mode, memory_high=memory_high, memory_low=memory_low, seq_high=seq_high, seq_low=seq_low,
             min_steps=min_steps, compile_max_switches=compile_max_switches, engine=engine, sync_ranks=sync_ranks,
-            recompute=recompute, rescue=rescue, host_memory=host_memory,
+            recompute=recompute, rescue=rescue, host_memory=host_memory, keep_margin=keep_margin,
             policy=policy if isinstance(policy, str) else None,
         )  # fmt: skip
         self.explicit = {key: value for key, value in given.items() if value is not None}
