@@ -244,13 +244,19 @@ def _check_values(values: dict[str, Any], labels: Mapping[str, str]) -> None:
 
 
 def _check_order(values: dict[str, Any], labels: Mapping[str, str]) -> None:
-    """Each low threshold at or below its high one; an error names each by ``labels`` (a default as a default)."""
+    """Each low threshold at or below its high one, and keep's margin below memory_high (else nothing could ever
+    keep); an error names each by ``labels`` (a default as a default)."""
     for low, (high, _) in FOLLOWS.items():
         if values[low] > values[high]:
             raise SettingsError(
                 f"{_named(low, labels)}={values[low]} is above {_named(high, labels)}={values[high]}: "
                 f"the low threshold must be at or below the high one (hysteresis)"
             )
+    if values["keep_margin"] >= values["memory_high"]:
+        raise SettingsError(
+            f"{_named('keep_margin', labels)}={values['keep_margin']} is not below "
+            f"{_named('memory_high', labels)}={values['memory_high']}: keep would never have room under memory_high"
+        )
 
 
 def _named(name: str, labels: Mapping[str, str]) -> str:

@@ -264,6 +264,17 @@ def test_each_documented_bound_is_refused_from_every_source(monkeypatch, argumen
         AutoOffloadCallback(probe=None, **arguments)
 
 
+def test_a_keep_margin_at_or_above_memory_high_is_refused_naming_both():
+    """Review: keep plans under memory_high less keep_margin; a margin at or above memory_high was accepted and nothing
+    ever kept, without a word."""
+    with pytest.raises(SettingsError, match=r"^argument keep_margin=0\.4 is not below argument memory_high=0\.3: keep"):
+        Settings.from_env({}, memory_high=0.3, keep_margin=0.4)
+    with pytest.raises(SettingsError, match=r"^AUTOOFFLOAD_KEEP_MARGIN=0\.5 is not below argument memory_high=0\.5"):
+        Settings.from_env({"AUTOOFFLOAD_KEEP_MARGIN": "0.5"}, memory_high=0.5)
+    with pytest.raises(SettingsError, match=r"keep_margin=0\.3 is not below"):
+        Settings(memory_high=0.2, memory_low=0.1, keep_margin=0.3)
+
+
 def test_the_bounds_themselves_are_allowed():
     s = Settings(memory_high=1.0, memory_low=0.0, seq_low=0, compile_max_switches=0, min_steps=0)
     assert (s.memory_high, s.memory_low, s.seq_low, s.compile_max_switches, s.min_steps) == (1.0, 0.0, 0, 0, 0)
