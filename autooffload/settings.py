@@ -54,8 +54,8 @@ class Settings:
     checkpointing does) or ``"auto"`` (in ``auto`` mode, the last checkpointed layers may run without
     checkpointing, their activations kept, when the predicted peak leaves room: :mod:`autooffload.decide.ladder`).
     ``keep_margin``: what keep leaves free below ``memory_high``, a share of the device: room for what the
-    prediction misses (fragmentation, transient buffers); each reading above a prediction widens it by 0.05 until
-    the readings are calm again.
+    prediction misses (fragmentation, transient buffers). A reading above a prediction that a correction already
+    covered widens it by 0.05 (at most four times); 16 clean steps without a miss narrow it back by one.
     ``host_memory``: the host memory offload may hold on this node, shared by its ranks (``LOCAL_WORLD_SIZE``):
     a fraction of host RAM (``"0.5"``, or the number ``0.5``), a size (``"64GiB"``, ``"512MiB"``), or ``"auto"``,
     half of the host memory available at start. Every level is capped at what fits

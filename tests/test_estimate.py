@@ -239,11 +239,26 @@ def test_keep_figures_one_layers_activations_and_how_many_layers_could_keep(tmp_
     assert code == 0
     assert result["kept_layer_bytes"] == kept
     assert result["layer_activation_bytes"] == kept + 8192 * 4096 * 2
-    room = 0.9 * 80 * GIB - 20 * GIB - result["saved_bytes"]
+    room = (0.9 - 0.05) * 80 * GIB - 20 * GIB - result["saved_bytes"]  # keep leaves keep_margin free
     assert result["keepable_layers"] == int(room // kept) < 36
     code, out, _ = run([str(qwen3_8b(tmp_path)), "--seq", "8192", "--device-memory", "80"], capsys)
-    assert "36 of 36  under memory_high 0.9 of the device, after the saved inputs (upper bound)" in out
+    assert "34 of 36  under memory_high 0.9 less keep_margin 0.05 of the device, after the saved inputs (upper" in out
     assert "one layer's full activations" in out
+
+
+def test_the_layers_that_could_keep_leave_the_keep_margin_free(tmp_path, capsys, monkeypatch):
+    """The controller keeps under memory_high less keep_margin (AUTOOFFLOAD_KEEP_MARGIN); the estimate counts the
+    layers that could keep the same way, so a wider margin set for the run shows fewer."""
+    argv = [str(qwen3_8b(tmp_path)), "--seq", "8192", "--device-memory", "80", "--other-memory", "20", "--json"]
+    counts = {}
+    for margin in ("0", "0.3"):
+        monkeypatch.setenv("AUTOOFFLOAD_KEEP_MARGIN", margin)
+        code, out, _ = run(argv, capsys)
+        result = json.loads(out)
+        room = (0.9 - float(margin)) * 80 * GIB - 20 * GIB - result["saved_bytes"]
+        assert code == 0 and result["keepable_layers"] == int(room // result["kept_layer_bytes"])
+        counts[margin] = result["keepable_layers"]
+    assert counts["0.3"] < counts["0"]
 
 
 def test_keep_figures_without_device_memory_are_unknown(capsys):

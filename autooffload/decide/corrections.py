@@ -4,8 +4,9 @@ After every clean step that kept layers, the keep planner (:mod:`autooffload.dec
 reading with its prediction. A miss charged to forwards that kept adds what the reading showed missing to every
 kept forward at that length and at nearby ones (half to twice the tokens), before the next micro-batch (a constant:
 what the layers' counts cannot see, an attention mask the kept layers save and the checkpointed ones only
-reference, lies outside any one layer); a miss where a correction already applied widens the margin by one more
-margin (up to ``MISS_LIMIT``). A correction is eased half way back towards what the readings show after every
+reference, lies outside any one layer); a miss where a correction already applied widens the margin by
+``ladder.KEEP_MARGIN`` of the device, whatever ``keep_margin`` is (up to ``MISS_LIMIT`` times). A correction is
+eased half way back towards what the readings show after every
 clean step that kept at its lengths without a miss, and one that no clean step tests (it forbids keep at its
 lengths, so none keeps there) halves every ``CALM_STEPS`` clean steps until keep is tried there again; the margin
 narrows again after ``CALM_STEPS`` clean steps without a miss: keep never stays off for good because of one
@@ -19,7 +20,7 @@ from typing import Any
 
 from .activations import length_bucket
 
-MISS_LIMIT = 4  # the margin grows to at most (1 + MISS_LIMIT) margins after repeated under-predictions
+MISS_LIMIT = 4  # the margin widens at most this many times after repeated under-predictions
 CALM_STEPS = 16  # clean steps that kept without a miss before the margin narrows by one
 REACH = 2.0  # a correction at t tokens applies from t / REACH to t x REACH tokens
 # A correction that no clean step tested for CALM_STEPS is halved; below this many bytes it is dropped.
@@ -28,7 +29,7 @@ CORRECTION_FLOOR = 4096.0
 
 class Corrections:
     """``by_tokens``: tokens -> bytes a kept forward adds beyond the layers' counts; ``misses``: under-predictions not
-    yet calmed, each widening the margin by one margin."""
+    yet calmed, each widening the margin (:meth:`~autooffload.decide.keep_plan.KeepPlanner.count`)."""
 
     def __init__(self) -> None:
         self.by_tokens: dict[int, float] = {}

@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             layer=layer,
             other_memory_bytes=round(options.other_memory * GIB),
             memory_high=settings.memory_high,
+            keep_margin=settings.keep_margin,
             ranks_per_node=options.ranks_per_node,
             host_budget_bytes=machine.host_budget(settings.host_memory),
             pinnable_bytes=pinnable,

@@ -11,9 +11,9 @@ state, the recomputed layer) is the same with and without offload and is not est
 With ``AUTOOFFLOAD_RECOMPUTE=auto`` a layer may also run without checkpointing and keep all its activations
 (no recompute): the estimate gives one layer's full activations at the length, from the layer type's
 arithmetic (:class:`~autooffload.decide.activations.LayerShape`, the seed the controller starts from before it
-measures), and how many layers could keep on the device: under ``memory_high``, after the saved inputs and
-what ``--other-memory`` says the rest of the step takes (weights, gradients, optimizer state; 0 by default,
-so the figure is an upper bound).
+measures), and how many layers could keep on the device: under ``memory_high`` less ``keep_margin``, as the
+controller plans, after the saved inputs and what ``--other-memory`` says the rest of the step takes (weights,
+gradients, optimizer state; 0 by default, so the figure is an upper bound).
 
 An encoder-decoder config (``is_encoder_decoder``: T5, BART, Whisper) has two stacks, each with its own length:
 ``--seq`` is the source length the encoder's layers see (Whisper: the input frames over its convolutions' stride
@@ -82,6 +82,7 @@ class Estimate:
     keepable_layers: int | None = None  # layers that could keep on the device (None: device memory unknown)
     other_memory_bytes: int = 0
     memory_high: float = 0.9
+    keep_margin: float = 0.05  # what keep leaves free below memory_high, a share of the device
     streams: int = 1  # residual streams per token in a layer input (hyper-connections), x hidden
     decoder_layers: int = 0  # an encoder-decoder's decoder stack (``layers`` is then the encoder's)
     target_seq: int | None = None  # its length
@@ -105,6 +106,7 @@ def estimate(
     layer: LayerShape | None = None,
     other_memory_bytes: int = 0,
     memory_high: float | None = None,
+    keep_margin: float | None = None,
     ranks_per_node: int = 1,
     host_budget_bytes: int | None = None,
     pinnable_bytes: int | None = None,
@@ -117,7 +119,8 @@ def estimate(
 
     ``seq_high`` is the sequence length at which ``auto`` switches offload on (default: the Settings default).
     ``layer``: the layer's sizes for the keep figures (default: a Llama-style layer of this hidden size,
-    intermediate 4 x hidden, heads of 128); ``memory_high`` defaults to the Settings default.
+    intermediate 4 x hidden, heads of 128); ``memory_high`` and ``keep_margin`` (what keep leaves free below it)
+    default to the Settings defaults.
     ``ranks_per_node`` processes share the host: the node needs that many times a rank's pinned bytes, and
     each rank gets that share of ``host_budget_bytes`` (the node's budget, ``AUTOOFFLOAD_HOST_MEMORY``).
     ``streams``: a hyper-connection layer's input is ``streams`` x ``hidden`` wide per token.
@@ -167,6 +170,7 @@ def estimate(
         text += f"; pinning stops at {gib(pinnable_bytes)} ({pinnable_note}): the rest goes to pageable memory"
 
     memory_high = Settings().memory_high if memory_high is None else memory_high
+    keep_margin = Settings().keep_margin if keep_margin is None else keep_margin
     if layer is None:
         heads = max(hidden // 128, 1)
         layer = LayerShape(hidden, 4 * hidden, heads, heads, hidden // heads, dtype_bytes)
@@ -174,7 +178,7 @@ def estimate(
     kept = round(layer.bytes(batch * seq, seq))
     keepable = None
     if device_memory_bytes is not None:
-        room = memory_high * device_memory_bytes - other_memory_bytes - saved
+        room = (memory_high - keep_margin) * device_memory_bytes - other_memory_bytes - saved
         keepable = max(0, min(layers, int(room // kept))) if kept > 0 else layers
         keepable = 0 if decoder_layers else keepable
     return Estimate(
@@ -208,6 +212,7 @@ def estimate(
         keepable_layers=keepable,
         other_memory_bytes=other_memory_bytes,
         memory_high=memory_high,
+        keep_margin=keep_margin,
         streams=streams,
         decoder_layers=decoder_layers,
         target_seq=target_seq if decoder_layers else None,
@@ -334,7 +339,8 @@ def render(result: Estimate) -> str:
         keepable = (
             "layers that could keep",
             f"{result.keepable_layers} of {result.layers}",
-            f"under memory_high {result.memory_high:g} of the device, after the saved inputs{rest}",
+            f"under memory_high {result.memory_high:g} less keep_margin {result.keep_margin:g} of the device, "
+            f"after the saved inputs{rest}",
         )
     rows += [
         (

@@ -17,8 +17,8 @@ from autooffload.decide import keep_plan  # noqa: E402
 planned = keep_plan.KeepPlanner.count
 
 
-def count(self, predicted, tokens, seq, limit, margin, levels=None):
-    out = planned(self, predicted, tokens, seq, limit, margin, levels)
+def count(self, predicted, tokens, seq, limit, margin, levels=None, *rest, **named):
+    out = planned(self, predicted, tokens, seq, limit, margin, levels, *rest, **named)  # widen_by, from a8ab01e on
     costs = [round((c or 0) / limit, 3) for c in self.layer_costs(tokens, seq)]
     print(
         f"COUNT tok={tokens} pred/limit={predicted / limit:.3f} beyond/limit={self.beyond() / limit:.3f} "
