@@ -521,7 +521,7 @@ def test_a_narrower_keep_margin_keeps_in_the_room_it_frees_and_stays_under_memor
     kept = {}
     for margin in (ladder.KEEP_MARGIN, 0.0):
         device = RecordingDevice(total)
-        _, per_forward = train_on_device(copy.deepcopy(net), device, [seq] * 6, forwards=2, keep_margin=margin)
+        _, per_forward = train_on_device(copy.deepcopy(net), device, [seq] * 4, forwards=2, keep_margin=margin)
         kept[margin] = sum(per_forward[-2:])
         assert max(device.readings) <= HIGH * total, (margin, [round(r / (HIGH * total), 3) for r in device.readings])
     assert kept[0.0] > kept[ladder.KEEP_MARGIN], kept
