@@ -28,6 +28,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"releases: {releases()}")
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "one_suite(name): under ./dev test, runs in its newest or oldest suite only")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``./dev test`` runs the suite on two environments at once, one per core, and waits for the slower: a
+    benchmark's quick run (minutes, its claims checked on one release) is marked ``one_suite`` with the suite it
+    runs in, so the two finish together. ``DEV_SUITE`` names the suite; without it (any other run) every test runs."""
+    suite = os.environ.get("DEV_SUITE")
+    for item in items if suite else ():
+        marker = item.get_closest_marker("one_suite")
+        if marker is not None and marker.args[0] != suite:
+            item.add_marker(pytest.mark.skip(reason=f"./dev test runs it in its {marker.args[0]} suite"))
+
+
 NEW_NAMES = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
 
 

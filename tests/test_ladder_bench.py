@@ -22,6 +22,7 @@ ladder_bench = sys.modules["ladder_bench"] = importlib.util.module_from_spec(spe
 spec.loader.exec_module(ladder_bench)
 
 
+@pytest.mark.one_suite("oldest")
 def test_quick_run_writes_results_and_the_budgets_hold(tmp_path):
     assert ladder_bench.main(["--out", str(tmp_path), "--quick", "--scenario", *"abcdef"]) == 0
     data = json.loads((tmp_path / "ladder.json").read_text())

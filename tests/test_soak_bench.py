@@ -9,12 +9,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("soak_bench", ROOT / "benchmarks" / "soak.py")
 soak = sys.modules["soak_bench"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(soak)
 
 
+@pytest.mark.one_suite("oldest")
 def test_a_short_soak_writes_its_results(tmp_path, monkeypatch):
     monkeypatch.setenv("SOAK_TMP", str(tmp_path))
     argv = ["--out", str(tmp_path / "out"), "--steps", "40", "--every", "10"]
