@@ -58,6 +58,20 @@ def compiled_run(tmp_path, budget: int):
     return callback.controller, moved
 
 
+def planned_by_hand(
+    settings: Settings, net: torch.nn.Module | None = None
+) -> tuple[torch.nn.Module, OffloadController]:
+    """A tiny Qwen3 (or ``net``) with transformers' checkpointing and a controller attached as under compile, whose
+    own decision is stubbed out: the test installs each plan itself (``controller.switch.apply``)."""
+    torch_dynamo.reset()
+    net = model().train() if net is None else net
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    controller = OffloadController(settings, probe=None)
+    assert controller.attach(net, compiled=True)
+    controller.before_forward = lambda *call: 0
+    return net, controller
+
+
 def test_switch_takes_effect_in_a_compiled_model_within_the_budget(tmp_path):
     whole = compiles_whole()
     controller, moved = compiled_run(tmp_path, budget=4)
@@ -120,12 +134,9 @@ def test_keep_recompute_and_offload_under_compile_match_compiled_plain_and_compi
     whole = compiles_whole()
     reference = model().train()
     reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    net = copy.deepcopy(reference)
+    net, controller = planned_by_hand(Settings(mode="off", recompute="auto"), copy.deepcopy(reference))
     compiled_reference = torch.compile(reference, backend="aot_eager")
     compiled = torch.compile(net, backend="aot_eager")
-    controller = OffloadController(Settings(mode="off", recompute="auto"), probe=None)
-    assert controller.attach(net, compiled=True)
-    controller.before_forward = lambda *call: 0  # the test installs each plan itself
     graphs = []
     for _ in range(3):
         before = compiled_graphs()
@@ -163,13 +174,8 @@ def test_keep_recompute_and_offload_under_compile_match_compiled_plain_and_compi
 def test_under_compile_a_recomputing_layer_is_traced_whole_and_offload_still_counts_its_calls():
     """The recompute form counts no calls under compile (no graph break); the offload form does, so that the
     bytes moved are still held to the arithmetic and the sizes learn from a layer input's real bytes."""
-    torch_dynamo.reset()
-    net = model().train()
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net, controller = planned_by_hand(Settings(mode="off"))
     compiled = torch.compile(net, backend="aot_eager")
-    controller = OffloadController(Settings(mode="off"), probe=None)
-    controller.attach(net, compiled=True)
-    controller.before_forward = lambda *call: 0
     controller.switch.apply(2, 0)
     compiled(input_ids=random_ids(48), labels=random_ids(48)).loss.backward()
     offloading = controller.switch.offloading
@@ -186,13 +192,8 @@ def test_frames_given_up_before_a_rebuild_or_a_new_attach_are_given_back(again):
     forward) or the model attached again (a second ``train()``): dynamo's state is the model's, not the switch's."""
     if not compiles_whole():
         pytest.skip("this transformers breaks the graph in every checkpointed layer: there is no whole graph")
-    torch_dynamo.reset()
-    net = model().train()
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net, controller = planned_by_hand(Settings(mode="off"))
     compiled = torch.compile(net, backend="aot_eager")
-    controller = OffloadController(Settings(mode="off"), probe=None)
-    assert controller.attach(net, compiled=True)
-    controller.before_forward = lambda *call: 0  # the test installs each plan itself
 
     def step():
         compiled(input_ids=random_ids(48), labels=random_ids(48)).loss.backward()
@@ -216,14 +217,9 @@ def test_the_hooks_leave_a_compiled_model_in_one_graph():
     does a hook run eagerly. Before: every entry's hook ran eagerly, a graph break inside the model's forward that
     split it into two graphs, the loss apart from the layers (the peers benchmark, every layer kept: 5% slower than
     the same model compiled without autooffload)."""
-    torch_dynamo.reset()
-    net = model().train()
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    controller = OffloadController(Settings(recompute="auto"), probe=None)
-    controller.attach(net, compiled=True)
+    net, controller = planned_by_hand(Settings(recompute="auto"))
     assert controller.hooks.stacks  # the decoder stack is an entry of its own
-    controller.before_forward = lambda *call: 0  # the test installs the plan itself: every layer keeps, so no
-    controller.switch.apply(0, LAYERS)  # checkpoint is left for dynamo to break on
+    controller.switch.apply(0, LAYERS)  # every layer keeps: no checkpoint is left for dynamo to break on
     ids = random_ids(64)
     explained = torch_dynamo.explain(lambda: net(input_ids=ids, labels=ids).loss)()
     controller.detach()
@@ -255,11 +251,7 @@ def test_every_layer_kept_compiles_the_graphs_the_model_compiles_without_autooff
 
     reference = model().train()
     without = graphs(copy.deepcopy(reference))
-    net = copy.deepcopy(reference)
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    controller = OffloadController(Settings(recompute="auto"), probe=None)
-    controller.attach(net, compiled=True)
-    controller.before_forward = lambda *call: 0  # the test installs the plan itself
+    net, controller = planned_by_hand(Settings(recompute="auto"), copy.deepcopy(reference))
     controller.switch.apply(0, LAYERS)
     ours = graphs(net, controller)
     assert len(without) == 2  # one forward graph, one backward graph
@@ -275,13 +267,8 @@ def test_after_a_measuring_micro_batch_the_model_compiles_whole_again_once_its_f
     whole for the plan in place."""
     import collections
 
-    torch_dynamo.reset()
-    net = model().train()
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net, controller = planned_by_hand(Settings(recompute="auto"))
     compiled = torch.compile(net, backend="aot_eager")
-    controller = OffloadController(Settings(recompute="auto"), probe=None)
-    controller.attach(net, compiled=True)
-    controller.before_forward = lambda *call: 0  # the test installs each plan itself
 
     def graphs_run() -> int:
         with torch.profiler.profile() as prof:
