@@ -26,8 +26,9 @@ A record (one JSON object per line, keys in this order):
   without one).
 - ``predicted_peak_bytes``: the highest peak the policy predicted for the step's micro-batches with nothing
   offloaded (policies with a ``predict(tokens, bytes_per_layer)`` method; ``null`` otherwise).
-- ``layers``, ``mode``, ``seq_high``, ``seq_low``, ``memory_high``, ``memory_low``: what the decisions were
-  made against.
+- ``layers``, ``mode``, ``seq_high``, ``seq_low``, ``memory_high``, ``memory_low``, ``keep_margin``: what the
+  decisions were made against (``keep_margin``: with ``AUTOOFFLOAD_RECOMPUTE=auto``, the setting, not the margin
+  widened by misses; ``null`` with ``always``).
 - What the step cost beside its compute (:mod:`autooffload.observe.costs`; 0 where nothing happened):
   ``gc_collections``, ``gc_seconds``, ``gc_collected`` (Python's garbage collections in the step, their time and
   the objects they freed), ``host_takes``, ``host_allocations``, ``host_registrations``, ``host_releases``
@@ -106,6 +107,7 @@ class StepRecord:
     seq_low: int
     memory_high: float
     memory_low: float
+    keep_margin: float | None = None
     gc_collections: int = 0
     gc_seconds: float = 0.0
     gc_collected: int = 0
@@ -198,6 +200,7 @@ class HistoryRecorder:
             seq_low=settings.seq_low,
             memory_high=settings.memory_high,
             memory_low=settings.memory_low,
+            keep_margin=settings.keep_margin if settings.recompute == "auto" else None,
             **{name: value for name, value in (costs or {}).items() if name in COST_FIELDS},  # type: ignore[arg-type]
         )
         self._micro_batches, self._kept, self._predicted, self._switches = [], [], None, 0

@@ -53,7 +53,8 @@ def test_history_equals_the_logs_and_the_arithmetic_step_by_step(hysteresis_run)
         assert record["bytes_moved"] == log["autooffload/offloaded_bytes"] == arithmetic
         assert record["memory_fraction"] == pytest.approx(log["autooffload/memory_fraction"])
         assert record["offloaded"][-1] / LAYERS == log["autooffload/active"]
-        assert record["kept"] is None and record["rescued"] is False and record["predicted_peak_bytes"] is None
+        assert record["kept"] is None and record["keep_margin"] is None  # recompute="always": nothing keeps
+        assert record["rescued"] is False and record["predicted_peak_bytes"] is None
     assert [r["memory_fraction"] for r in records] == pytest.approx(CURVE)
     assert list(itertools.accumulate(r["switches"] for r in records)) == [h["autooffload/switches"] for h in logs]
     settings = {"layers": LAYERS, "mode": "auto", "seq_high": 200, "seq_low": 128}

@@ -512,7 +512,7 @@ def test_a_narrower_keep_margin_keeps_in_the_room_it_frees_and_stays_under_memor
     """keep_margin is what keep leaves free below memory_high. The test above's two forwards, on a device with room
     under memory_high for 1.6 forwards' worth of kept layers: the default margin leaves 5% of the device of it free,
     none leaves nothing, so keep takes more, and no reading passes memory_high (the prediction is the real peak
-    here, read in segments)."""
+    here, read in segments); each step's history record says which margin keep planned with."""
     net = checkpointed(qwen3(dropout=0.0))
     seq = 128
     one = real_peak(net, seq, LAYERS) - real_peak(net, seq, 0)
@@ -521,8 +521,9 @@ def test_a_narrower_keep_margin_keeps_in_the_room_it_frees_and_stays_under_memor
     kept = {}
     for margin in (ladder.KEEP_MARGIN, 0.0):
         device = RecordingDevice(total)
-        _, per_forward = train_on_device(copy.deepcopy(net), device, [seq] * 4, forwards=2, keep_margin=margin)
+        controller, per_forward = train_on_device(copy.deepcopy(net), device, [seq] * 4, forwards=2, keep_margin=margin)
         kept[margin] = sum(per_forward[-2:])
+        assert {record.keep_margin for record in controller.history} == {margin}  # what keep planned with
         assert max(device.readings) <= HIGH * total, (margin, [round(r / (HIGH * total), 3) for r in device.readings])
     assert kept[0.0] > kept[ladder.KEEP_MARGIN], kept
 
