@@ -1,0 +1,140 @@
+"""What keeping layers adds to the saved set of a compiled step, against what compiled keep counts per layer.
+
+Compiled ``recompute="auto"`` counts a layer's cost on the layer compiled by itself under a saved-tensor counter
+(docs/compile.md). This compares, on the ladder's CPU model (4 layers, hidden 128, sdpa), the saved tensors of:
+one layer eagerly; one layer compiled alone (one of the counts); the whole model compiled without checkpointing and with
+every layer checkpointed (a counter around the compiled step sees the compiled graph's saved tensors). Each storage
+once, parameters and the layer's own inputs not counted, as autooffload's counter does.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/results/2026-12-06-compiled-saved-cpu/saved_probe.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import ladder
+
+CASES = [(256, False), (1024, False), (1024, True)]  # (tokens, bf16 autocast)
+MiB = 2**20
+
+
+class Saved(saved_tensors_hooks):
+    """Bytes of distinct storages saved for backward inside the block, less ``excluded`` ones."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.seen, self.nbytes, self.tensors = set(excluded), 0, 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in self.seen:
+                self.seen.add(key)
+                self.nbytes += tensor.untyped_storage().nbytes()
+                self.tensors += 1
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
+def tensors(values: list) -> list[torch.Tensor]:
+    found = []
+    for value in values:
+        if torch.is_tensor(value):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found += tensors(list(value))
+    return found
+
+
+def measure(tokens: int, bf16: bool, backend: str) -> dict:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = ladder.build_model(ladder.SHAPES["cpu"], "cpu").train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=bf16)
+    ids = torch.randint(0, ladder.SHAPES["cpu"].vocab, (1, tokens))
+    captured: list = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: captured.append((args, kwargs)) if not captured else None, with_kwargs=True
+    )
+    with torch.no_grad(), autocast:
+        model(input_ids=ids)
+    handle.remove()
+    (args, kwargs), layer = captured[0], model.model.layers[1]
+    args = (args[0].detach().requires_grad_(True), *args[1:])
+    inputs = {t.untyped_storage().data_ptr() for t in tensors([*args, *kwargs.values()])}
+
+    def one_layer(function) -> Saved:
+        counter = Saved(params | inputs)
+        with counter, autocast:
+            output = function(*args, **kwargs)
+        (output[0] if isinstance(output, tuple) else output).float().sum().backward()
+        return counter
+
+    def whole(checkpointing: bool) -> Saved:
+        torch._dynamo.reset()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(2):  # the second step: compiled, warm
+            counter = Saved(params)
+            with counter, autocast:
+                loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return counter
+
+    eager = one_layer(layer)
+    compiled_layer = torch.compile(layer, backend=backend)
+    one_layer(compiled_layer)
+    alone = one_layer(compiled_layer)
+    kept, recomputed = whole(False), whole(True)
+    layers = ladder.SHAPES["cpu"].layers
+    return {
+        "tokens": tokens,
+        "autocast": "bf16" if bf16 else None,
+        "eager_layer_mib": eager.nbytes / MiB,
+        "compiled_layer_alone_mib": alone.nbytes / MiB,
+        "alone_all_layers_mib": layers * alone.nbytes / MiB,
+        "whole_no_checkpointing_mib": kept.nbytes / MiB,
+        "whole_every_layer_checkpointed_mib": recomputed.nbytes / MiB,
+        "whole_kept_adds_mib": (kept.nbytes - recomputed.nbytes) / MiB,
+        "whole_over_alone": (kept.nbytes - recomputed.nbytes) / (layers * alone.nbytes),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--backend", default="inductor")
+    options = parser.parse_args()
+    rows = [measure(tokens, bf16, options.backend) for tokens, bf16 in CASES]
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "saved.json").write_text(json.dumps({"backend": options.backend, "rows": rows}, indent=1))
+    lines = [
+        "| tokens | autocast | eager layer | compiled layer alone | x 4 layers | whole graph: keeping all adds "
+        "| whole / (alone x 4) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['autocast'] or 'fp32'} | {r['eager_layer_mib']:.3f} MiB | "
+            f"{r['compiled_layer_alone_mib']:.3f} MiB | {r['alone_all_layers_mib']:.3f} MiB | "
+            f"{r['whole_kept_adds_mib']:.3f} MiB | {r['whole_over_alone']:.3f} |"
+        )
+    (options.out / "saved.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
