@@ -28,18 +28,29 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"releases: {releases()}")
 
 
+SUITES = ("newest", "oldest")  # ./dev test's two suites (DEV_SUITE)
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "one_suite(name): under ./dev test, runs in its newest or oldest suite only")
+    if os.environ.get("DEV_SUITE", "") not in ("", *SUITES):
+        raise pytest.UsageError(f"DEV_SUITE={os.environ['DEV_SUITE']!r} names neither of ./dev test's suites {SUITES}")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """``./dev test`` runs the suite on two environments at once, one per core, and waits for the slower: a
     benchmark's quick run (minutes, its claims checked on one release) is marked ``one_suite`` with the suite it
-    runs in, so the two finish together. ``DEV_SUITE`` names the suite; without it (any other run) every test runs."""
+    runs in, so the two finish together. ``DEV_SUITE`` names the suite; without it (any other run) every test runs.
+    A mark that names neither suite is refused in every run: it would be skipped in both."""
     suite = os.environ.get("DEV_SUITE")
-    for item in items if suite else ():
+    for item in items:
         marker = item.get_closest_marker("one_suite")
-        if marker is not None and marker.args[0] != suite:
+        if marker is None:
+            continue
+        if marker.args not in [(name,) for name in SUITES] or marker.kwargs:
+            shown = ", ".join([*map(repr, marker.args), *(f"{k}={v!r}" for k, v in marker.kwargs.items())])
+            raise pytest.UsageError(f"{item.nodeid} is marked one_suite({shown}): name one of {SUITES}")
+        if suite and marker.args[0] != suite:
             item.add_marker(pytest.mark.skip(reason=f"./dev test runs it in its {marker.args[0]} suite"))
 
 
