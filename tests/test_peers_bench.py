@@ -31,7 +31,6 @@ peers = _load("peers")
 MODES = ["none", "plain", "auto", "hf-offload", "sac", "every-2nd", "compile-plain", "compile-0.5", "compile-auto"]
 
 
-@pytest.mark.one_suite("newest")
 def test_quick_run_of_every_kind_of_peer(tmp_path):
     argv = ["--out", str(tmp_path), "--quick", "--scenario", "b", "--backend", "aot_eager_decomp_partition"]
     assert peers.main([*argv, "--modes", *MODES]) == 0
@@ -55,7 +54,7 @@ def test_quick_run_of_every_kind_of_peer(tmp_path):
         assert modes["hf-offload"]["max_reading_over_budget"] <= modes["plain"]["max_reading_over_budget"]
 
 
-@pytest.mark.one_suite("oldest")
+@pytest.mark.one_suite("newest")
 def test_auto_on_layers_compiled_in_place_where_offload_is_needed(tmp_path):
     """(c): the layers compiled in place, the rest eager; ``auto`` offloads no more layers than ``always`` does
     eagerly (what the real peak needs), no timed step over the budget, compiles nothing in a timed step and gives
