@@ -40,8 +40,8 @@ def pytest_configure(config) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     """``./dev test`` runs the suite on two environments at once, one per core, and waits for the slower: a
     benchmark's quick run (minutes, its claims checked on one release) is marked ``one_suite`` with the suite it
-    runs in, so the two finish together. ``DEV_SUITE`` names the suite; without it (any other run) every test runs.
-    A mark that names neither suite is refused in every run: it would be skipped in both."""
+    runs in, so the slower suite finishes sooner. ``DEV_SUITE`` names the suite; without it (any other run) every
+    test runs. A mark that names neither suite is refused in every run: it would be skipped in both."""
     suite = os.environ.get("DEV_SUITE")
     for item in items:
         marker = item.get_closest_marker("one_suite")
