@@ -3,8 +3,9 @@
 Compiled ``recompute="auto"`` counts a layer's cost on the layer compiled by itself under a saved-tensor counter
 (docs/compile.md). This compares, on the ladder's CPU model (4 layers, hidden 128, sdpa), the saved tensors of:
 one layer eagerly; one layer compiled alone (one of the counts); the whole model compiled without checkpointing and with
-every layer checkpointed (a counter around the compiled step sees the compiled graph's saved tensors). Each storage
-once, parameters and the layer's own inputs not counted, as autooffload's counter does.
+every layer checkpointed (a counter around the compiled step sees the compiled graph's saved tensors). Counted by
+autooffload's own counter (``SavedBytesCounter``): each storage once, parameters, buffers and the layer's own inputs
+not at all.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/results/2026-12-06-compiled-saved-cpu/saved_probe.py --out DIR
 """
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
+
+from autooffload.observe.saved import SavedBytesCounter, parameter_storages, storage_key, tensors_in
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ladder
@@ -26,38 +28,11 @@ CASES = [(256, False), (1024, False), (1024, True)]  # (tokens, bf16 autocast)
 MiB = 2**20
 
 
-class Saved(saved_tensors_hooks):
-    """Bytes of distinct storages saved for backward inside the block, less ``excluded`` ones."""
-
-    def __init__(self, excluded: set[int]) -> None:
-        self.seen, self.nbytes, self.tensors = set(excluded), 0, 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            key = tensor.untyped_storage().data_ptr()
-            if key not in self.seen:
-                self.seen.add(key)
-                self.nbytes += tensor.untyped_storage().nbytes()
-                self.tensors += 1
-            return tensor
-
-        super().__init__(pack, lambda tensor: tensor)
-
-
-def tensors(values: list) -> list[torch.Tensor]:
-    found = []
-    for value in values:
-        if torch.is_tensor(value):
-            found.append(value)
-        elif isinstance(value, (tuple, list)):
-            found += tensors(list(value))
-    return found
-
-
 def measure(tokens: int, bf16: bool, backend: str) -> dict:
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = ladder.build_model(ladder.SHAPES["cpu"], "cpu").train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = parameter_storages([model])
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=bf16)
     ids = torch.randint(0, ladder.SHAPES["cpu"].vocab, (1, tokens))
     captured: list = []
@@ -69,16 +44,16 @@ def measure(tokens: int, bf16: bool, backend: str) -> dict:
     handle.remove()
     (args, kwargs), layer = captured[0], model.model.layers[1]
     args = (args[0].detach().requires_grad_(True), *args[1:])
-    inputs = {t.untyped_storage().data_ptr() for t in tensors([*args, *kwargs.values()])}
+    inputs = {storage_key(t) for t in tensors_in([*args, *kwargs.values()])}
 
-    def one_layer(function) -> Saved:
-        counter = Saved(params | inputs)
+    def one_layer(function) -> SavedBytesCounter:
+        counter = SavedBytesCounter(params | inputs)
         with counter, autocast:
             output = function(*args, **kwargs)
         (output[0] if isinstance(output, tuple) else output).float().sum().backward()
         return counter
 
-    def whole(checkpointing: bool) -> Saved:
+    def whole(checkpointing: bool) -> SavedBytesCounter:
         torch._dynamo.reset()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -86,7 +61,7 @@ def measure(tokens: int, bf16: bool, backend: str) -> dict:
             model.gradient_checkpointing_disable()
         compiled = torch.compile(model, backend=backend)
         for _ in range(2):  # the second step: compiled, warm
-            counter = Saved(params)
+            counter = SavedBytesCounter(params)
             with counter, autocast:
                 loss = compiled(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -102,13 +77,13 @@ def measure(tokens: int, bf16: bool, backend: str) -> dict:
     return {
         "tokens": tokens,
         "autocast": "bf16" if bf16 else None,
-        "eager_layer_mib": eager.nbytes / MiB,
-        "compiled_layer_alone_mib": alone.nbytes / MiB,
-        "alone_all_layers_mib": layers * alone.nbytes / MiB,
-        "whole_no_checkpointing_mib": kept.nbytes / MiB,
-        "whole_every_layer_checkpointed_mib": recomputed.nbytes / MiB,
-        "whole_kept_adds_mib": (kept.nbytes - recomputed.nbytes) / MiB,
-        "whole_over_alone": (kept.nbytes - recomputed.nbytes) / (layers * alone.nbytes),
+        "eager_layer_mib": eager.bytes / MiB,
+        "compiled_layer_alone_mib": alone.bytes / MiB,
+        "alone_all_layers_mib": layers * alone.bytes / MiB,
+        "whole_no_checkpointing_mib": kept.bytes / MiB,
+        "whole_every_layer_checkpointed_mib": recomputed.bytes / MiB,
+        "whole_kept_adds_mib": (kept.bytes - recomputed.bytes) / MiB,
+        "whole_over_alone": (kept.bytes - recomputed.bytes) / (layers * alone.bytes),
     }
 
 
