@@ -101,7 +101,8 @@ def test_accelerate_launch_runs_what_its_config_names(config, ddp_output, reques
     if config == "zero2":
         request.getfixturevalue("deepspeed_comm_op")  # built once, before two ranks race to build it
     output = ddp_output if config == "ddp" else launch(config)
-    assert RUNS[config] in output.splitlines(), output[-4000:]
+    # Two ranks share one pipe, with no line boundary between their writes: what a rank prints, wherever it lands.
+    assert RUNS[config] in output, output[-4000:]
     steps = steps_of(output)
     assert sorted(steps) == [(0, 1), (0, 2), (1, 1), (1, 2)], output[-4000:]
     assert all(moved == expected for moved, expected, _ in steps.values()), output[-4000:]

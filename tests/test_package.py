@@ -1,7 +1,8 @@
 """The package as users get it: one version, the command that prints it, the public API's type hints (mypy over
 ``[tool.mypy]`` in pyproject.toml, with tests/typecheck_public_api.py as a user's typed code), a changelog entry for
-the version, and the docs' table of releases equal to what this environment holds (``./dev versions``). The wheel
-itself is built and installed into a clean environment by ``./dev test`` (``./dev wheel``), outside pytest."""
+the version, each environment of ./dev test exactly as its lock pins it, and the docs' table of releases generated from
+the locks (``./dev versions``). The wheel itself is built and installed into a clean environment by ``./dev test``
+(``./dev wheel``), outside pytest."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from releases import ENVIRONMENTS, row
+from releases import ENVIRONMENTS, LOCKS, documented_table, lock_lines, row, table
 
 import autooffload
 
@@ -67,11 +68,28 @@ def test_the_public_api_type_checks():
     assert result.stdout.startswith("Success: no issues found")
 
 
+def test_the_docs_table_of_releases_is_the_locks():
+    """docs/coverage.md's table is generated from requirements/ (``python tests/releases.py --write-docs``)."""
+    assert documented_table((ROOT / "docs" / "coverage.md").read_text(encoding="utf-8")) == table()
+
+
+@pytest.mark.skipif(Path(sys.prefix).name not in LOCKS, reason="not one of ./dev test's locked environments")
+def test_this_environment_holds_exactly_what_its_lock_pins():
+    """./dev test installs every release from its lock: nothing published since moves a test (a package the lock
+    lacks would move with every release). An environment made before the lock moved: remove it, ./dev remakes it."""
+    lock = ROOT / LOCKS[Path(sys.prefix).name]
+    pinned = [line for line in lock.read_text(encoding="utf-8").splitlines() if not line.startswith("#")]
+    installed = lock_lines()
+    assert installed == pinned, {
+        "installed, not as pinned": sorted(set(installed) - set(pinned)),
+        "pinned, not installed": sorted(set(pinned) - set(installed)),
+    }
+
+
 @pytest.mark.skipif(Path(sys.prefix).name not in ENVIRONMENTS, reason="not one of ./dev's environments")
 def test_the_docs_name_the_releases_this_environment_holds():
-    # ./dev versions prints this row; docs/coverage.md quotes it. Update the docs when a pin moves.
+    # ./dev versions prints this row; docs/coverage.md's table (from the locks) holds it.
     expected = row(Path(sys.prefix).name)
-    table = (ROOT / "docs" / "coverage.md").read_text(encoding="utf-8")
     name = expected.split(" | ")[0]
-    documented = [line for line in table.splitlines() if line.startswith(name + " |")]
-    assert documented == [expected], f"docs/coverage.md has {documented}; ./dev versions prints {expected}"
+    documented = [line for line in table().splitlines() if line.startswith(name + " |")]
+    assert documented == [expected], f"the locks pin {documented}; ./dev versions prints {expected}"
