@@ -24,7 +24,8 @@ from transformers.trainer_callback import ExportableState
 
 from . import lifecycle
 from .apply.compile_guard import is_compiled
-from .controller import OffloadController, logger
+from .console import say
+from .controller import OffloadController
 from .decide.policy import Policy
 from .guard import guarded
 from .history import history_path, truncate_history
@@ -212,7 +213,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         attached = self.controller.switch is not None
         summary = self.controller.finish()  # every rank, one that gave up too: a collective under torch.distributed
         if attached and state.is_world_process_zero:
-            logger.info(summary)
+            say(summary)
         self._write_history()
         self.controller.detach()
 

@@ -21,7 +21,6 @@ Nothing here may stop a training run: the entry points are guarded (:mod:`~autoo
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,14 +30,13 @@ from . import lifecycle
 from .apply.compile_guard import CompiledFrames, compiled_module, is_compiled
 from .apply.hooks import ForwardHooks
 from .apply.switch import CheckpointSwitch
+from .console import say
 from .fallback import AT_END
 from .guard import guarded
 from .observe.inputs import NO_TOKENS, MicroBatch, read_micro_batch
 from .observe.layout import CHECKPOINTING_OFF, ENABLE_HINT, ModelLayout
 from .observe.stacks import Stack
 from .run import Run
-
-logger = logging.getLogger("transformers.autooffload")
 
 
 class OffloadController(Run):
@@ -98,7 +96,7 @@ class OffloadController(Run):
         fixed = self.planner.fixed_level(self.memory.rescuing)
         self._install(fixed if fixed is not None else self.level or 0)
         probe = type(self.memory.probe).__name__ if self.memory.probe is not None else "none"
-        logger.info(
+        say(
             "autooffload: controlling %d checkpointed layer(s), mode=%s, memory signal=%s, compiled=%s, %s",
             len(self.switch.layers), self.settings.mode, probe, self.planner.compiled,
             self.host.describe(self.settings.host_memory),

@@ -2,25 +2,29 @@
 
 The controller hands it each micro-batch's plan and each step's end; it keeps the counters a resumed run must
 continue (steps, switches, bytes moved, rescues, the level in place), the history records not yet written
-(:mod:`autooffload.history`), the ``autooffload/*`` metrics for a training log, the INFO lines a switch or a host
-cap is worth, and the summary at the end of training.
+(:mod:`autooffload.history`), the ``autooffload/*`` metrics for a training log, the lines a switch
+(:mod:`autooffload.console`) or a host cap is worth, and the summary at the end of training.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 from .apply.offload import OffloadStats
+from .console import logger, say
 from .decide.planner import Plan
 from .distributed import RankPeak
-from .history import HistoryRecorder
+from .history import REASONS, HistoryRecorder
 from .observe.costs import StepCosts
 from .observe.memory import Reading
 
-logger = logging.getLogger("transformers.autooffload")
+
+def why(plan: Plan) -> str:
+    """A switch's reason as a person reads it, with the history's key for it (``reasons`` in history.jsonl)."""
+    reason = plan.reason or "policy"
+    return f"{REASONS.get(reason, reason)} ({reason})"
 
 
 class RunRecord:
@@ -74,9 +78,9 @@ class RunRecord:
             )  # fmt: skip
         if plan.switched:
             self.switches += 1
-            logger.info(
-                "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s)",
-                self.step + 1, seq_len, before, plan.level, layers,
+            say(
+                "autooffload: step %d, seq %d: offload %d -> %d of %d layer(s): %s",
+                self.step + 1, seq_len, before, plan.level, layers, why(plan),
             )  # fmt: skip
         self.offloaded_this_step |= plan.level > 0
         self.micro_batches += 1

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autooffload"
 
 # From the bottom up. A module imports modules of its own layer or of the layers below it, never above.
 LAYERS = (
-    ("settings", "warn", "guard"),
+    ("settings", "warn", "guard", "console"),
     ("decide",),
     ("observe",),
     ("apply",),

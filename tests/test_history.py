@@ -191,6 +191,7 @@ def test_the_switch_line_numbers_steps_as_the_history_does(tmp_path, caplog):
     records = read_history(history_path(tmp_path))
     assert [r["step"] for r in records if r["switches"]] == [2, 3]
     assert [r.getMessage() for r in caplog.records if " -> " in r.getMessage()] == [
-        "autooffload: step 2, seq 256: offload 0 -> 4 of 4 layer(s)",
-        "autooffload: step 3, seq 64: offload 4 -> 0 of 4 layer(s)",
+        "autooffload: step 2, seq 256: offload 0 -> 4 of 4 layer(s): sequence length >= seq_high (seq_high)",
+        "autooffload: step 3, seq 64: offload 4 -> 0 of 4 layer(s): both signals below their low thresholds and the "
+        "dwell passed: off (below_low)",
     ]

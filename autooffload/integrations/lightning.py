@@ -36,7 +36,6 @@ asked for, gets one ``rescue-off`` warning). Lightning is imported here only: ``
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..console import say
 from ..controller import OffloadController
 from ..decide.policy import Policy
 from ..guard import guarded
@@ -58,7 +58,6 @@ except ImportError as error:  # pragma: no cover - the message is the point
         "autooffload.integrations.lightning needs PyTorch Lightning: pip install 'autooffload[lightning]'"
     ) from error
 
-logger = logging.getLogger("transformers.autooffload")
 
 RESCUE_REFUSAL = (
     "out-of-memory steps are not rescued under Lightning: it runs each micro-batch's backward inside its "
@@ -176,7 +175,7 @@ class AutoOffload(Callback):
         attached = self.controller.switch is not None
         summary = self.controller.finish()  # every rank, one that gave up too: a collective under torch.distributed
         if attached and trainer.is_global_zero:
-            logger.info(summary)
+            say(summary)
         self._write_history()
         self.controller.detach()
 
