@@ -171,7 +171,7 @@ class OffloadController(Run):
         if batch is None and deferrable:
             return False
         if batch is None:
-            if self.switch is not None and self.switch.layers:
+            if self.switch is not None and self.switch.layers and self.settings.mode == "auto":  # only auto triggers
                 self.warn("no-tokens", NO_TOKENS.format(type(module).__name__))
             batch = MicroBatch(0, 0, {stack.name: (0, 0) for stack in stacks})
         if not self.memory.begun:

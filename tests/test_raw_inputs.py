@@ -292,3 +292,41 @@ def test_a_tower_on_what_another_tower_computes_is_sized_per_image_before_the_fo
     clip = [inputs.bytes[2], inputs.bytes[3]]
     assert clip == [(1 + 4 * 4) * HIDDEN * 4] * 2  # the class token and 4 x 4 patches of one image, float32
     assert controller.sizes.planned_layer_bytes == tuple(inputs.bytes[i] for i in range(6))
+
+
+def vit() -> torch.nn.Module:
+    """A tiny random ViT (the sizes of transformers' ViTModelTester): its only input is ``pixel_values``."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=30,
+        patch_size=2,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        hidden_dropout_prob=0.1,
+    )
+    return transformers.ViTModel(config, add_pooling_layer=False)
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_a_call_without_tokens_warns_of_the_sequence_trigger_only_where_the_trigger_would_decide(mode):
+    # Issue 50: every vision and audio model warned in mode "on" that only the memory reading decides, where neither
+    # the trigger nor the reading decides anything. In "auto" the trigger would decide, and the warning stays.
+    net = vit()
+    pixels = torch.randn(BATCH, 3, 30, 30, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        controller, inputs = attached(net, mode=mode)
+        for _ in range(2):
+            inputs.bytes, inputs.forward = {}, True
+            loss = net(pixel_values=pixels).last_hidden_state.pow(2).mean()
+            inputs.forward = False
+            loss.backward()
+            controller.end_step()
+            if mode == "on":
+                assert len(inputs.bytes) == 2
+                assert controller.last_step_bytes == sum(inputs.bytes.values())
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    warned = [message for message in ours if "sequence-length trigger" in message]
+    assert len(warned) == (1 if mode == "auto" else 0), ours

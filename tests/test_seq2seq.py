@@ -8,11 +8,13 @@ its convolutions' stride 2), the decoder's with the target (the labels the decod
 from __future__ import annotations
 
 import json
+import warnings
+from unittest import mock
 
 import pytest
 import torch
 import transformers
-from conftest import training_args
+from conftest import offloading, same_grads, training_args
 from torch.utils.data import SequentialSampler
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
@@ -450,3 +452,51 @@ def test_the_first_decision_sizes_a_speech_encoders_layers_from_its_features(mak
     controller.end_step()
     assert len(inputs) == 2 * LAYERS
     assert sorted(seen[0]) == sorted(inputs.values())
+
+
+def test_t5_with_its_first_blocks_function_wrapped_warns_of_no_stack_that_does_not_exist():
+    # transformers' own test wraps the first checkpointed layer's function (mock.patch.object with a side_effect):
+    # autooffload leaves that block. The attention module inside it carries the checkpointing flag and makes no
+    # checkpoint call; taken for a layer, it was a stack "encoder.block.0.layer.0" whose length autooffload could not
+    # read, and a warning said that what it saves stays on the device (issue 50).
+    ids = torch.randint(1, VOCAB, (BATCH, 24), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(1, VOCAB, (BATCH, 16), generator=torch.Generator().manual_seed(1))
+
+    def steps(net, controller=None):
+        grads, moved, arithmetic = [], [], []
+        torch.manual_seed(2)  # dropout
+        for _ in range(2):
+            net.zero_grad()
+            net(input_ids=ids, labels=labels).loss.backward()
+            grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+            if controller is not None:
+                arithmetic.append(controller.planned_bytes())
+                controller.end_step()
+                moved.append(controller.last_step_bytes)
+        return grads, moved, arithmetic
+
+    def checkpointed():
+        net = t5().train()
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return net
+
+    net = checkpointed()
+    block = net.encoder.block[0]
+    if not hasattr(block, "_gradient_checkpointing_func"):
+        pytest.skip("this transformers checkpoints T5's blocks from the stack's loop: no block function to wrap")
+    reference, _, _ = steps(checkpointed())
+    with mock.patch.object(block, "_gradient_checkpointing_func", side_effect=block._gradient_checkpointing_func):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            controller = offloading(net)
+            grads, moved, arithmetic = steps(net, controller)
+        assert block._gradient_checkpointing_func.call_count == 2
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert not [message for message in ours if "stack-length" in message], ours
+    assert len(ours) == 1 and "encoder.block.0 is not torch.utils.checkpoint.checkpoint" in ours[0]
+    assert [slot.target.name for slot in controller.switch.layers] == [
+        *(f"encoder.block.{index}" for index in range(1, LAYERS)),
+        *(f"decoder.block.{index}" for index in range(LAYERS)),
+    ]
+    assert moved == arithmetic and moved[0] > 0
+    assert same_grads(grads, reference)

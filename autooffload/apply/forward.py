@@ -77,17 +77,18 @@ class ForwardState:
     def counter(self, position: int) -> Callable[[tuple], LayerCall]:
         """What layer ``position``'s functions call at every call with its arguments: it counts the call when it
         saves inputs, reports the first such call's inputs to ``on_first_call``, and returns the tensors of the call
-        that may move (none without grad)."""
+        that may move (none without grad). A call inside a backward (an outer checkpoint's recompute) is no call of
+        the forward: counted nothing, it moves nothing. Where the forward ran it under grad (a non-reentrant outer
+        checkpoint) it moved there; where it ran under no_grad (a reentrant one), its saves live only through the
+        outer backward that follows at once, and a copy of them frees nothing."""
 
         @torch.compiler.disable
         def counted(args: tuple) -> LayerCall:
-            if self.retired or not torch.is_grad_enabled():
+            if self.retired or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
                 return LayerCall()
-            if self.counts[position] and torch._C._current_graph_task_id() != -1:
-                return LayerCall()  # an outer checkpoint's recompute: the forward counted and moved this call
             # Deferred only where a forward's end will settle it: not in a forward the hooks did not see begin (a
-            # loop over the layers), nor in a recompute's nested call in the backward.
-            call = self.inputs.of(position, args, defer=self.open and torch._C._current_graph_task_id() == -1)
+            # loop over the layers).
+            call = self.inputs.of(position, args, defer=self.open)
             if self.counts[position] == 0 and self.on_first_call is not None:
                 nbytes, shape = _nbytes(call.moving), input_shape(call.moving[0]) if call.moving else None
                 self.on_first_call(position, nbytes, shape)

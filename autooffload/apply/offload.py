@@ -142,16 +142,47 @@ def kept_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(_held, _released)
 
 
-class _Saved:
-    """A packed tensor: on the device (``loan`` None) or in a host buffer, and the version it was saved at (checked
-    when it is unpacked). A deferred one may move later, when the forward ends (:meth:`SyncEngine.settle`), so it is
-    mutable."""
+class _HostStorage:
+    """A device storage copied whole into a host buffer, once per layer call however many views of it the call saves
+    (LUKE's word and entity states: two views of one tensor, at two offsets). In the backward it comes back as one
+    device storage and each view as a view of it, at its own offset and strides: a copy of a view alone comes back
+    contiguous, and the recompute then runs other kernels than the forward did (and saves other tensors, which
+    non-reentrant checkpointing refuses). The restored storage is held until every view saved has been unpacked
+    once, so that they share it; the views hold it after that."""
 
-    __slots__ = ("__weakref__", "device", "loan", "saved", "tensor")
+    __slots__ = ("__weakref__", "device", "loan", "nbytes", "resident", "unpacked", "views")
+
+    def __init__(self, loan: _Loan, nbytes: int, device: torch.device) -> None:
+        self.loan, self.nbytes, self.device = loan, nbytes, device
+        self.resident: torch.UntypedStorage | None = None
+        self.views = self.unpacked = 0
+
+    def view(self, layout: tuple, fresh: bool = False) -> torch.Tensor:
+        """A saved view back on the device (``fresh``: from a storage of its own, an unpack hook's fallback)."""
+        storage = self.resident if not fresh else None
+        if storage is None:
+            target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            target.copy_(self.loan.buffer.tensor[: self.nbytes], non_blocking=self.loan.buffer.pinned and not fresh)
+            storage = target.untyped_storage()
+        if not fresh:
+            self.unpacked += 1
+            self.resident = storage if self.unpacked < self.views else None
+        dtype, size, stride, offset = layout
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+
+
+class _Saved:
+    """A packed tensor: on the device (``loan`` None), in a host buffer, or a view of a storage in one (``whole``,
+    at ``layout``); and the version it was saved at (checked when it is unpacked). A deferred one may move later,
+    when the forward ends (:meth:`SyncEngine.settle`), so it is mutable."""
+
+    __slots__ = ("__weakref__", "device", "layout", "loan", "saved", "tensor", "whole")
 
     def __init__(self, tensor: torch.Tensor, stored: torch.Tensor | None = None, loan: _Loan | None = None) -> None:
         self.device, self.saved = tensor.device, SavedVersion(tensor)
         self.tensor, self.loan = (tensor if stored is None else stored), loan
+        self.whole: _HostStorage | None = None
+        self.layout: tuple = ()
 
     @staticmethod
     def kept(tensor: torch.Tensor) -> _Saved:
@@ -160,17 +191,55 @@ class _Saved:
 
     def restored(self) -> torch.Tensor:
         """The tensor back on its device by the plainest way (an unpack hook's fallback): a copy of a host one."""
+        if self.whole is not None:
+            return self.whole.view(self.layout, fresh=True)
         if self.loan is None:
             return self.tensor if self.tensor.device == self.device else self.tensor.to(self.device)
         return self.tensor.to(self.device, copy=True)
 
 
-def _to_host(tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults) -> _Saved:
-    """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it."""
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Does ``tensor`` cover its whole storage, from its start (not a view into a larger tensor)?"""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _storage_to_host(
+    tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: dict
+) -> _Saved:
+    """A view ``tensor`` packed as a view of its whole storage in host memory, the storage copied and counted once per
+    layer call (``copies``: this call's, by storage and version); kept on the device where no host buffer can take
+    it."""
+    storage = tensor.untyped_storage()
+    key = (tensor.device, storage.data_ptr(), tensor._version)
+    whole = copies.get(key)
+    if whole is None:
+        nbytes = storage.nbytes()
+        buffer = host.take(nbytes, tensor.device)
+        if buffer is None:
+            stats.short(nbytes)
+            return _Saved(tensor)
+        stats.add(nbytes)
+        source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        buffer.tensor[:nbytes].copy_(source, non_blocking=buffer.pinned)
+        whole = copies[key] = _HostStorage(_Loan(host, buffer, faults), nbytes, tensor.device)
+    saved = _Saved(tensor)
+    saved.tensor, saved.whole = None, whole
+    saved.layout = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+    whole.views += 1
+    return saved
+
+
+def _to_host(
+    tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: dict | None = None
+) -> _Saved:
+    """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it. A view
+    into a larger storage moves as that storage (:func:`_storage_to_host`), where the call's ``copies`` are given."""
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
         stats.add(nbytes)
         return _Saved(tensor)
+    if copies is not None and not tensor.is_sparse and tensor.layout == torch.strided and not _owns_storage(tensor):
+        return _storage_to_host(tensor, stats, host, faults, copies)
     if tensor.is_sparse or not tensor.is_contiguous():
         stats.add(nbytes)
         return _Saved(tensor, tensor.to("cpu", copy=True))
@@ -190,12 +259,14 @@ def _to_host(tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks: pack copies a tensor to host memory from ``host``, unpack copies it back.
 
-    A tensor the budget or the host cannot take stays on the device. A non-contiguous one (rare in a
-    decoder layer's input) goes to a pageable copy of its own. A tensor already in host memory is kept as
-    it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning) or stands for the
-    host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device and goes to
-    ``defer``, for :meth:`SyncEngine.settle` to move when the forward ends. Both hooks run shielded (``faults``,
-    :mod:`autooffload.guard`): a pack that fails keeps its tensor on the device, an unpack that fails copies it back.
+    A tensor the budget or the host cannot take stays on the device. A view into a larger storage moves as that
+    storage, once per call however many of its views the call saves, and comes back at its offset and strides
+    (:class:`_HostStorage`); any other non-contiguous one goes to a pageable copy of its own. A tensor already in
+    host memory is kept as it is, unless ``host`` pins (on a CPU-only build it never does; tests inject the pinning)
+    or stands for the host of a simulated device (``host.copy_cpu``). A tensor of ``deferred`` stays on the device
+    and goes to ``defer``, for :meth:`SyncEngine.settle` to move when the forward ends. Both hooks run shielded
+    (``faults``, :mod:`autooffload.guard`): a pack that fails keeps its tensor on the device, an unpack that fails
+    copies it back.
     """
 
     def __init__(
@@ -211,6 +282,7 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         # Neither hook may hold a tensor: autograd keeps both hooks as long as a saved tensor (held, the input
         # would never leave the device).
         filtered, only, later = layer_input is not None, storage_keys(layer_input), storage_keys(deferred)
+        copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # this call's storages moved whole
 
         def pack(tensor: torch.Tensor) -> _Saved:
             key = storage_key(tensor)
@@ -219,10 +291,12 @@ class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                 if key in later and defer is not None:
                     defer(key, saved)
                 return saved
-            return _to_host(tensor, stats, host, faults)
+            return _to_host(tensor, stats, host, faults, copies)
 
         def unpack(saved: _Saved) -> torch.Tensor:
             saved.saved.check()
+            if saved.whole is not None:
+                return saved.whole.view(saved.layout)
             if saved.loan is None:
                 tensor = saved.tensor
                 return tensor if tensor.device == saved.device else tensor.to(saved.device)
@@ -264,7 +338,7 @@ class SyncEngine:
         keys, pending, self.pending = storage_keys(own), self.pending, []
         for key, ref, layer in pending:
             saved = ref() if key in keys else None
-            if saved is not None and saved.loan is None:
+            if saved is not None and saved.loan is None and saved.whole is None:
                 self.stats.layer = layer
                 moved = _to_host(saved.tensor, self.stats, self.host, self.faults)
                 saved.tensor, saved.loan = moved.tensor, moved.loan

@@ -14,7 +14,8 @@ itself is a *container*: its forward calls ``self._gradient_checkpointing_func(l
 ...)`` once per layer (many model files on 4.52, remote code on any release), so its calls within one forward
 are the layers of its ModuleList, in order; the list's length (or ``config.num_hidden_layers`` where smaller)
 is known before the first forward. A module with the flag inside a layer (T5's attention modules hold one for
-their position bias) or inside a container's blocks is *inner*: not a layer, it keeps plain checkpointing.
+their position bias) or inside a container's blocks is *inner*: not a layer, it keeps plain checkpointing; so is one
+that does not checkpoint itself inside a layer whose function autooffload leaves (a test's wrapper).
 Layers are grouped in *stacks* (the ModuleList they share); the stacks that consume the tokens
 (:mod:`~autooffload.observe.stacks`: the text stack, or an encoder-decoder's two) are planned, the others (a VLM's
 vision blocks) keep plain checkpointing. A function autooffload does not know (DeepSpeed's, an offload wrapper's,
@@ -152,6 +153,8 @@ def checkpointed_modules(model: torch.nn.Module) -> tuple[list[CheckpointTarget]
         _classify(target, found)
     for target in found:
         _mark_inner(target, found)
+    for target in found:
+        _mark_inner_foreign(target, unknown)
     return found, unknown
 
 
@@ -236,6 +239,19 @@ def _mark_inner(target: CheckpointTarget, found: list[CheckpointTarget]) -> None
         within_layer = other.kind == "layer" and target.name.startswith(prefix)
         if within_layer or (other.kind == "container" and _inside_blocks(target, other)):
             target.kind, target.stack, target.size = "inner", other.stack, 1
+            return
+
+
+def _mark_inner_foreign(target: CheckpointTarget, unknown: list[Foreign]) -> None:
+    """A target that does not checkpoint itself, inside a layer autooffload leaves (T5's attention inside a block
+    whose function a test wrapped), is inner as it would be inside a layer of its own: it makes no checkpoint call,
+    and taken for a layer it was a stack whose length cannot be read. One that checkpoints itself (Swin's blocks in
+    a stage left alone) makes its own calls and stays a layer."""
+    if target.kind != "layer" or _checkpoints_itself(target.module):
+        return
+    for other in unknown:
+        if other.name and target.name.startswith(other.name + ".") and _checkpoints_itself(other.module):
+            target.kind, target.stack, target.size = "inner", other.name.rpartition(".")[0], 1
             return
 
 
