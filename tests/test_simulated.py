@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -276,6 +277,47 @@ def test_the_demo_shows_partial_offload_keep_and_simulated_memory(tmp_path, caps
     assert (tmp_path / "autooffload" / "history.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "simulated device" in out and "history.png" in out
+    # The README's sample is this run's output, row for row, where the demo runs the device the README names (it is
+    # larger on transformers 4.x, and the percentages differ); elsewhere the sample's header is still the demo's.
+    from autooffload.demo import DEVICE_BYTES
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    same_device = f"simulated device of {DEVICE_BYTES:,} bytes" in " ".join(readme.split())
+    missing = readme_sample_missing(readme, out, header_only=not same_device)
+    table = "\n".join(line for line in out.splitlines() if re.match(r"^ *(step|\d+) +\d*", line))
+    assert not missing, f"README.md's sample of the demo is not what it printed: {missing}; its rows:\n{table}"
+
+
+def readme_sample(readme: str) -> list[str]:
+    """The README's sample of ``autooffload demo``: its ```text block that starts with the demo's header, by line."""
+    blocks = re.findall(r"^```text\n(.*?)^```", readme, flags=re.S | re.M)
+    sample = [block.splitlines() for block in blocks if block.startswith("step  seq memory predicted")]
+    assert len(sample) == 1, "README.md has no sample of the demo's table (a ```text block starting with its header)"
+    return sample[0]
+
+
+def readme_sample_missing(readme: str, printed: str, header_only: bool = False) -> list[str]:
+    """The README sample's lines that the demo did not print, each as a whole line."""
+    lines = readme_sample(readme)[: 1 if header_only else None]
+    printed_lines = {line.rstrip() for line in printed.splitlines()}
+    return [line for line in lines if line.rstrip() not in printed_lines]
+
+
+def test_a_readme_sample_that_differs_from_the_demo_is_caught():
+    """Without the demo's run (the test above holds the README to it): a changed percentage is a missing row."""
+    from autooffload.demo import HIDDEN as DEMO_HIDDEN
+    from autooffload.demo import LAYERS as DEMO_LAYERS
+    from autooffload.demo import report
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sample = readme_sample(readme)
+    assert len(sample) > 2 and sample[0] == report([], DEMO_LAYERS, DEMO_HIDDEN)  # its header is the demo's
+    printed = "\n".join(["some log line", *sample, "history: ..."])
+    assert readme_sample_missing(readme, printed) == []
+    changed = re.sub(r"(\d+)%", lambda m: f"{int(m.group(1)) + 1}%", sample[1], count=1)  # 16% -> 17%
+    assert changed != sample[1]
+    assert readme_sample_missing(readme, printed.replace(sample[1], changed)) == [sample[1]]
+    assert readme_sample_missing(readme, printed.replace(sample[2], ""), header_only=True) == []
 
 
 def test_a_probe_that_cannot_watch_the_model_is_dropped_with_one_warning():
