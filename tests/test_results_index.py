@@ -91,10 +91,5 @@ def superseded_links() -> list[str]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="README.md and docs/benchmarks.md still link superseded runs without saying so; "
-    "their editors fix the lines this test lists (issue 51, item 3)",
-)
 def test_the_pages_link_current_runs_or_say_the_run_is_earlier():
     assert superseded_links() == []
