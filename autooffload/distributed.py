@@ -33,6 +33,12 @@ the collectives it knows of, no rank agrees from the first micro-batch under it 
 it, the end's collective is of the same size as an agreement (the worst peak rides in it, not in a gather of its
 own), so a rank that ended meets the others' next agreement, and they learn it there: no rank makes another.
 
+Each collective's bookkeeping (the join made, a micro-batch's agreement no longer due, the end reached) is marked
+only once everything that can fail before the ``torch.distributed`` call has run (the message built, the side group
+made): a failure before the call leaves the collective owed, so the give-up makes it (:mod:`autooffload.fallback`)
+where the other ranks wait in it. Marked before, a rank that failed there skipped it: its next collective (DDP's
+gradient all-reduce) met the others' agreement and gloo aborted both, or the others waited out the timeout.
+
 A rank that gives up (:mod:`autooffload.guard`) cannot simply stop making these collectives: the others would
 meet their next one (DDP's gradient all-reduce: gloo aborts both) or wait in it (NCCL, with the agreement on a
 gloo side group: a hang). So each collective carries "a rank gave up", and the rank that failed keeps making
@@ -241,9 +247,9 @@ class RankAgreement:
         if not self.active():
             return
         self.end_run()
-        self.joined = True
         if self.group is None:
             self.group = AgreementGroup()
+        self.joined = True  # made from here on: join_ranks enters the collective (module docs)
         self.ranks_agree, quitter = join_ranks(ready, gave_up, self.group)
         if quitter is not None:
             self.gave_up, self.ranks_agree = quitter, False
@@ -262,8 +268,9 @@ class RankAgreement:
         :class:`RankGaveUp` when a rank gave up."""
         if not self.per_micro_batch():
             return level, keep
-        self.due = False  # made (or tried): a failure after this point owes the next one
-        result = self._exchange(message(level, cap, keep))
+        values = message(level, cap, keep)
+        self.due = False  # made from here on: a failure after this point owes the next one
+        result = self._exchange(values)
         if result is None:
             return level, keep
         if result[QUITTER]:
@@ -274,25 +281,24 @@ class RankAgreement:
     def tell(self) -> None:
         """This rank gave up inside a micro-batch whose agreement is due, or at the next one's start: make that
         collective now with the flag (and nothing else, since this rank's parts may be broken)."""
+        values = message(quitter=torch.distributed.get_rank() + 1)
         self.due, self.owing = False, False
-        result = self._exchange(message(quitter=torch.distributed.get_rank() + 1))
+        result = self._exchange(values)
         if result is not None:
             self.gave_up = result[QUITTER] - 1
 
     def worst(self, fraction: float | None) -> RankPeak | None:
         """The worst rank's peak memory fraction (the end's collective, on every rank), where the ranks agree at all
-        and nobody gave up; a rank that gave up and has not told the others tells them here. Ends the run."""
-        try:
-            if not self.joined or not self.ranks_agree or self.gave_up is not None or not self.active():
-                return None
-            rank, world = torch.distributed.get_rank(), world_size()
-            quitter = rank + 1 if self.owing else 0
-            result = all_reduce_max(
-                message(quitter=quitter, ended=True, peak=peak_code(fraction, rank, world)), self.group
-            )
-        finally:
-            owing = self.owing
+        and nobody gave up; a rank that gave up and has not told the others tells them here. Ends the run, once the
+        collective is made: a failure before it leaves it owed (the give-up at the end makes it)."""
+        if not self.joined or not self.ranks_agree or self.gave_up is not None or not self.active():
             self.end_run()
+            return None
+        rank, world = torch.distributed.get_rank(), world_size()
+        values = message(quitter=rank + 1 if self.owing else 0, ended=True, peak=peak_code(fraction, rank, world))
+        owing = self.owing
+        self.end_run()  # made from here on
+        result = all_reduce_max(values, self.group)
         if not result[ALL_ENDED]:  # another rank was still in a micro-batch: it learned that this one ended
             self.warn(
                 "uneven-micro-batches", UNEVEN.format("this rank ended its run while another had micro-batches left")
