@@ -49,11 +49,16 @@ rank makes another until the run ends. Without a failure the collectives are the
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .guard import StepFaults, in_step
+
+DECIDING = in_step("the agreement falling due")
 
 
 def world_size() -> int:
@@ -169,11 +174,21 @@ def under_join() -> bool:
     may then run different numbers of micro-batches, and ``join()`` shadows the collectives it knows of only."""
     frame = sys._getframe(1)
     while frame is not None:
-        config = getattr(frame.f_locals.get("self"), "_join_config", None)
-        if getattr(config, "enable", False) is True:
+        if _joining(frame.f_locals.get("self")):
             return True
         frame = frame.f_back
     return False
+
+
+def _joining(candidate: Any) -> bool:
+    """Whether ``candidate`` (a frame's ``self``: any object of the user's call stack) is a module under ``join()``.
+    Read statically, without running its code: a user class's ``__getattr__`` (``return self.cfg[name]``) raises
+    ``KeyError``, which ``getattr``'s default does not catch, out of ``model(...)``."""
+    try:
+        config = inspect.getattr_static(candidate, "_join_config", None)
+        return getattr(config, "enable", False) is True
+    except Exception:
+        return False
 
 
 UNEVEN = (
@@ -192,9 +207,13 @@ class RankAgreement:
     no rank makes another until the run ends. ``settings``: the run's (``sync_ranks`` and ``mode`` say whether to
     agree); ``warn``: ``warn(key, message)``, once per key."""
 
-    def __init__(self, settings: Any, warn: Callable[[str, str], Any] | None = None) -> None:
+    def __init__(
+        self, settings: Any, warn: Callable[[str, str], Any] | None = None, faults: StepFaults | None = None
+    ) -> None:
         self.settings = settings
         self.warn = warn if warn is not None else (lambda key, message: None)
+        # The forward hooks call it inside the step, in the user's forward: shielded (autooffload.guard).
+        self._deciding = (faults or StepFaults()).shield(DECIDING, self._decide, self._fall_due)
         self.group: AgreementGroup | None = None
         self.ranks_agree = True  # False when a rank found no layers at attach: then no rank makes collectives
         self.end_run()
@@ -219,9 +238,17 @@ class RankAgreement:
         """A training micro-batch under grad is being decided (the forward hooks say so around the call that decides,
         :class:`~autooffload.apply.hooks.ForwardHooks`): its agreement is due from then until :meth:`agree` makes it,
         or the call is passed by to an entry inside it, or the decision is over (``on`` False) without it. Under
-        DDP's ``join()`` (uneven inputs) no rank agrees any more: every rank sees it at the same micro-batch."""
+        DDP's ``join()`` (uneven inputs) no rank agrees any more: every rank sees it at the same micro-batch. Runs
+        shielded: a failure is noted for the next entry point, and the agreement falls due all the same, so that a
+        rank giving up there still makes it (:meth:`_fall_due`)."""
+        self._deciding(on)
+
+    def _decide(self, on: bool) -> None:
         if on and self.per_micro_batch() and under_join():
             self.out_of_step("DDP's join()")
+        self.due = on and self.per_micro_batch()
+
+    def _fall_due(self, on: bool) -> None:
         self.due = on and self.per_micro_batch()
 
     def out_of_step(self, why: str) -> None:

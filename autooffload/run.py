@@ -99,7 +99,7 @@ class Run:
         self._owns_host = host is None  # a manager passed in is the caller's: detach leaves its buffers to it
         self.sizes = LayerSizes()
         self.memory = MemoryMonitor(probe, self.warn)
-        self.agreement = RankAgreement(settings, self.warn)
+        self.agreement = RankAgreement(settings, self.warn, self.faults)
         self.fallback = Fallback(self.agreement, self.warn)
         policy = None if isinstance(policy, str) else policy
         self.planner = Planner(settings, self.warn, policy, CompileBudget, self.agreement.agree, PAGE)

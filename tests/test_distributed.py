@@ -486,3 +486,37 @@ def test_a_rank_failing_before_a_collective_makes_it_with_the_flag(tmp_path):
         assert f"internal error in {where} (RuntimeError: injected failure on rank 1)" in mine, case
         (theirs,) = ranks[0][case]["warnings"]
         assert "rank 1 gave up" in theirs and since in theirs, (case, theirs)
+
+
+class Config:
+    """A user object whose attributes come from a dict: ``__getattr__`` raises ``KeyError`` for a name it lacks."""
+
+    def __init__(self) -> None:
+        self.cfg = {"seq": 64}
+
+    def __getattr__(self, name: str):
+        return self.cfg[name]
+
+    def check(self) -> bool:
+        return distributed.under_join()
+
+
+def test_under_join_reads_no_attribute_of_a_user_object():
+    """Issue 49, 1.2: ``under_join`` read ``_join_config`` with ``getattr(self, name, None)`` from every frame's
+    ``self``; a ``KeyError`` from a user's ``__getattr__`` came out of it (and out of ``model(...)``)."""
+    assert Config().check() is False
+
+
+@needs_gloo
+def test_training_from_a_user_object_with_a_dict_getattr_matches_plain_checkpointing(tmp_path):
+    """Issue 49, 1.2: a DDP loop run from a method of a user object whose ``__getattr__`` reads a dict. Before, the
+    pre-forward hook's join check raised that object's ``KeyError`` out of the first micro-batch's forward on every
+    rank. Now both ranks train with the losses and parameters of plain checkpointing, agree every micro-batch, and
+    warn nothing."""
+    ranks = run_ranks("user_getattr", tmp_path, timeout_s=180)
+    every = WORKER_LAYERS
+    for result in ranks:
+        plain, run = result["False"], result["True"]
+        assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"]
+        assert [level for _, level in run["levels"]] == [0, every, 0, every]
+        assert run["collectives"] == len(LENGTHS) + 1 and run["warnings"] == []
