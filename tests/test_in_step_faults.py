@@ -180,3 +180,30 @@ def test_a_pack_failing_after_its_buffer_was_taken_gives_the_buffer_back(monkeyp
     assert controller.failed and host.lent_bytes == 0
     host.release_all()
     assert host.held_bytes == 0
+
+
+def test_only_torchs_out_of_memory_error_is_the_steps_a_message_alone_is_autooffloads():
+    """Issue 49, 1.6, decided: inside autooffload's code in a step, the error is the step's (and propagates, for the
+    rescue to rerun the step) only as ``torch.OutOfMemoryError``, which torch raises for every device allocation that
+    fails. A plain ``RuntimeError`` whose message says "CUDA out of memory" is not matched by its text: the rescue
+    could not catch it either (it catches the type), so propagating it would end the run; as autooffload's error it
+    leaves the step plain checkpointing's, with one warning, and a real shortage then surfaces as torch's own error."""
+
+    def raising(error: Exception):
+        def take(nbytes, device):
+            raise error
+
+        return take
+
+    reference = train("sync", plain=True)
+    host = pinned_host()
+    host.take = raising(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    run = train("sync", host=host)
+    _, _, controller, ours, _ = run
+    assert same(run, reference) and controller.failed
+    (warning,) = ours
+    assert "internal error in the sync engine's pack hook (RuntimeError: CUDA out of memory." in warning
+    host = pinned_host()
+    host.take = raising(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(torch.OutOfMemoryError):
+        train("sync", host=host)
