@@ -260,14 +260,21 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             log = log.__wrapped__
 
         def log_with_autooffload(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-            logs.update(self._metrics_for(logs))
-            self._restore_peaked_delta(logs)
+            self._add_metrics(logs)
             return log(logs, *args, **kwargs)
 
         log_with_autooffload.__wrapped__ = log  # type: ignore[attr-defined]
         _LOG_WRAPPERS.add(log_with_autooffload)
         trainer.log = log_with_autooffload  # type: ignore[method-assign]
         self._log_wrapped = True
+
+    @guarded("the Trainer's log")
+    def _add_metrics(self, logs: dict[str, float]) -> None:
+        """Our keys into ``logs`` on their way into Trainer's ``log``, all or none: a failure reading them (an entry
+        point: one warning, plain checkpointing) lets the log go out as Trainer made it."""
+        metrics = self._metrics_for(logs)
+        self._restore_peaked_delta(logs)
+        logs.update(metrics)
 
     def _restore_peaked_delta(self, logs: dict[str, float]) -> None:
         """Trainer's ``train_mem_gpu_peaked_delta`` (``skip_memory_metrics=False``) is torch's peak counter at

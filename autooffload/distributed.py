@@ -33,6 +33,12 @@ the collectives it knows of, no rank agrees from the first micro-batch under it 
 it, the end's collective is of the same size as an agreement (the worst peak rides in it, not in a gather of its
 own), so a rank that ended meets the others' next agreement, and they learn it there: no rank makes another.
 
+Each collective's bookkeeping (the join made, a micro-batch's agreement no longer due, the end reached) is marked
+only once everything that can fail before the ``torch.distributed`` call has run (the message built, the side group
+made): a failure before the call leaves the collective owed, so the give-up makes it (:mod:`autooffload.fallback`)
+where the other ranks wait in it. Marked before, a rank that failed there skipped it: its next collective (DDP's
+gradient all-reduce) met the others' agreement and gloo aborted both, or the others waited out the timeout.
+
 A rank that gives up (:mod:`autooffload.guard`) cannot simply stop making these collectives: the others would
 meet their next one (DDP's gradient all-reduce: gloo aborts both) or wait in it (NCCL, with the agreement on a
 gloo side group: a hang). So each collective carries "a rank gave up", and the rank that failed keeps making
@@ -43,11 +49,16 @@ rank makes another until the run ends. Without a failure the collectives are the
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .guard import StepFaults, in_step
+
+DECIDING = in_step("the agreement falling due")
 
 
 def world_size() -> int:
@@ -163,11 +174,21 @@ def under_join() -> bool:
     may then run different numbers of micro-batches, and ``join()`` shadows the collectives it knows of only."""
     frame = sys._getframe(1)
     while frame is not None:
-        config = getattr(frame.f_locals.get("self"), "_join_config", None)
-        if getattr(config, "enable", False) is True:
+        if _joining(frame.f_locals.get("self")):
             return True
         frame = frame.f_back
     return False
+
+
+def _joining(candidate: Any) -> bool:
+    """Whether ``candidate`` (a frame's ``self``: any object of the user's call stack) is a module under ``join()``.
+    Read statically, without running its code: a user class's ``__getattr__`` (``return self.cfg[name]``) raises
+    ``KeyError``, which ``getattr``'s default does not catch, out of ``model(...)``."""
+    try:
+        config = inspect.getattr_static(candidate, "_join_config", None)
+        return getattr(config, "enable", False) is True
+    except Exception:
+        return False
 
 
 UNEVEN = (
@@ -186,9 +207,13 @@ class RankAgreement:
     no rank makes another until the run ends. ``settings``: the run's (``sync_ranks`` and ``mode`` say whether to
     agree); ``warn``: ``warn(key, message)``, once per key."""
 
-    def __init__(self, settings: Any, warn: Callable[[str, str], Any] | None = None) -> None:
+    def __init__(
+        self, settings: Any, warn: Callable[[str, str], Any] | None = None, faults: StepFaults | None = None
+    ) -> None:
         self.settings = settings
         self.warn = warn if warn is not None else (lambda key, message: None)
+        # The forward hooks call it inside the step, in the user's forward: shielded (autooffload.guard).
+        self._deciding = (faults or StepFaults()).shield(DECIDING, self._decide, self._fall_due)
         self.group: AgreementGroup | None = None
         self.ranks_agree = True  # False when a rank found no layers at attach: then no rank makes collectives
         self.end_run()
@@ -213,9 +238,17 @@ class RankAgreement:
         """A training micro-batch under grad is being decided (the forward hooks say so around the call that decides,
         :class:`~autooffload.apply.hooks.ForwardHooks`): its agreement is due from then until :meth:`agree` makes it,
         or the call is passed by to an entry inside it, or the decision is over (``on`` False) without it. Under
-        DDP's ``join()`` (uneven inputs) no rank agrees any more: every rank sees it at the same micro-batch."""
+        DDP's ``join()`` (uneven inputs) no rank agrees any more: every rank sees it at the same micro-batch. Runs
+        shielded: a failure is noted for the next entry point, and the agreement falls due all the same, so that a
+        rank giving up there still makes it (:meth:`_fall_due`)."""
+        self._deciding(on)
+
+    def _decide(self, on: bool) -> None:
         if on and self.per_micro_batch() and under_join():
             self.out_of_step("DDP's join()")
+        self.due = on and self.per_micro_batch()
+
+    def _fall_due(self, on: bool) -> None:
         self.due = on and self.per_micro_batch()
 
     def out_of_step(self, why: str) -> None:
@@ -241,9 +274,9 @@ class RankAgreement:
         if not self.active():
             return
         self.end_run()
-        self.joined = True
         if self.group is None:
             self.group = AgreementGroup()
+        self.joined = True  # made from here on: join_ranks enters the collective (module docs)
         self.ranks_agree, quitter = join_ranks(ready, gave_up, self.group)
         if quitter is not None:
             self.gave_up, self.ranks_agree = quitter, False
@@ -262,8 +295,9 @@ class RankAgreement:
         :class:`RankGaveUp` when a rank gave up."""
         if not self.per_micro_batch():
             return level, keep
-        self.due = False  # made (or tried): a failure after this point owes the next one
-        result = self._exchange(message(level, cap, keep))
+        values = message(level, cap, keep)
+        self.due = False  # made from here on: a failure after this point owes the next one
+        result = self._exchange(values)
         if result is None:
             return level, keep
         if result[QUITTER]:
@@ -274,25 +308,24 @@ class RankAgreement:
     def tell(self) -> None:
         """This rank gave up inside a micro-batch whose agreement is due, or at the next one's start: make that
         collective now with the flag (and nothing else, since this rank's parts may be broken)."""
+        values = message(quitter=torch.distributed.get_rank() + 1)
         self.due, self.owing = False, False
-        result = self._exchange(message(quitter=torch.distributed.get_rank() + 1))
+        result = self._exchange(values)
         if result is not None:
             self.gave_up = result[QUITTER] - 1
 
     def worst(self, fraction: float | None) -> RankPeak | None:
         """The worst rank's peak memory fraction (the end's collective, on every rank), where the ranks agree at all
-        and nobody gave up; a rank that gave up and has not told the others tells them here. Ends the run."""
-        try:
-            if not self.joined or not self.ranks_agree or self.gave_up is not None or not self.active():
-                return None
-            rank, world = torch.distributed.get_rank(), world_size()
-            quitter = rank + 1 if self.owing else 0
-            result = all_reduce_max(
-                message(quitter=quitter, ended=True, peak=peak_code(fraction, rank, world)), self.group
-            )
-        finally:
-            owing = self.owing
+        and nobody gave up; a rank that gave up and has not told the others tells them here. Ends the run, once the
+        collective is made: a failure before it leaves it owed (the give-up at the end makes it)."""
+        if not self.joined or not self.ranks_agree or self.gave_up is not None or not self.active():
             self.end_run()
+            return None
+        rank, world = torch.distributed.get_rank(), world_size()
+        values = message(quitter=rank + 1 if self.owing else 0, ended=True, peak=peak_code(fraction, rank, world))
+        owing = self.owing
+        self.end_run()  # made from here on
+        result = all_reduce_max(values, self.group)
         if not result[ALL_ENDED]:  # another rank was still in a micro-batch: it learned that this one ended
             self.warn(
                 "uneven-micro-batches", UNEVEN.format("this rank ended its run while another had micro-batches left")

@@ -171,7 +171,10 @@ class ModifiedInPlace(RuntimeError):
 def training_error(error: BaseException) -> bool:
     """An error of the training step, not of autooffload, which propagates as it is: a device out-of-memory
     error, an accelerator error (``torch.AcceleratorError``, torch 2.8+; before it, a ``RuntimeError`` whose
-    message starts with ``CUDA error``), or a saved tensor modified in place (:class:`ModifiedInPlace`)."""
+    message starts with ``CUDA error``), or a saved tensor modified in place (:class:`ModifiedInPlace`). An
+    out-of-memory error is known by its type, which torch gives every failed device allocation, never by its text: a
+    plain ``RuntimeError`` saying "CUDA out of memory" is autooffload's (the rescue, which catches the type, could
+    not rerun the step; as autooffload's, the step goes on as plain checkpointing's)."""
     import torch
 
     if isinstance(error, (torch.OutOfMemoryError, ModifiedInPlace)):

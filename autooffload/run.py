@@ -99,7 +99,7 @@ class Run:
         self._owns_host = host is None  # a manager passed in is the caller's: detach leaves its buffers to it
         self.sizes = LayerSizes()
         self.memory = MemoryMonitor(probe, self.warn)
-        self.agreement = RankAgreement(settings, self.warn)
+        self.agreement = RankAgreement(settings, self.warn, self.faults)
         self.fallback = Fallback(self.agreement, self.warn)
         policy = None if isinstance(policy, str) else policy
         self.planner = Planner(settings, self.warn, policy, CompileBudget, self.agreement.agree, PAGE)
@@ -250,11 +250,10 @@ class Run:
         """End of training, called on every rank: under torch.distributed (with ``sync_ranks``) one collective
         gathers the worst rank's peak memory into the summary, since rank 0's own device says little about the
         others' (a rank that gave up makes it too). Ends the run: after giving up, the next run tries again.
-        Returns the summary."""
-        try:
-            self.record.worst_rank = self.agreement.worst(self.memory.peak_fraction)
-        finally:
-            self.end_run()
+        Returns the summary. A failure before the end's collective leaves it owed: the give-up at ``finish`` makes it,
+        then ends the run."""
+        self.record.worst_rank = self.agreement.worst(self.memory.peak_fraction)
+        self.end_run()
         return self.summary()
 
     def end_run(self) -> None:

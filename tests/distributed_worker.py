@@ -17,6 +17,9 @@ micro-batch and the other a short one (``LENGTHS``), so only an agreement makes 
 - ``give_up``: Trainer DDP (gradient accumulation 2), where rank 1 alone fails inside autooffload: in the
   pre-forward hook of its second micro-batch, then (a second run) in ``attach``; and a run without autooffload.
   Every rank must finish every step with the plain run's losses and parameters.
+- ``collective_faults``: a raw DDP loop where rank 1 fails between a collective's bookkeeping and its call (the
+  agreement, the join, the end's gather); and a run without autooffload.
+- ``user_getattr``: a raw DDP loop run from a method of a user object whose ``__getattr__`` reads a dict.
 - ``give_up_in_forward``: Trainer DDP without accumulation, rank 1 failing inside a running forward after its
   micro-batch's agreement: a tiny T5 in an encoder layer's report, a tiny Qwen3 in its pre-forward hook after the
   agreement; each beside a run without autooffload.
@@ -686,6 +689,147 @@ def uneven_micro_batches(rank: int, out: Path) -> dict:
     return {"join": uneven_run(rank, join=True), "bare": uneven_run(rank, join=False)}
 
 
+def injected_once(function, fails):
+    """``function``, raising at its first call for which ``fails(*args, **kwargs)`` holds (only that once)."""
+    done = []
+
+    def failing(*args, **kwargs):
+        if not done and fails(*args, **kwargs):
+            done.append(True)
+            raise RuntimeError("injected failure on rank 1")
+        return function(*args, **kwargs)
+
+    return failing
+
+
+def collective_fault_run(rank: int, inject: str) -> dict:
+    """A raw DDP loop (no accumulation: every micro-batch's backward all-reduces the gradients) over a tiny Qwen3,
+    with ``OffloadController`` unless ``inject`` is "none"; rank 1 fails between a collective's bookkeeping and its
+    ``torch.distributed`` call: building its second micro-batch's agreement ("agree"), making the side group before
+    the join at attach ("join"), or building the end's message in ``finish`` ("worst")."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autooffload import AutoOffloadWarning
+
+    real = {name: getattr(autooffload_distributed, name) for name in ("message", "AgreementGroup", "all_reduce_max")}
+    if rank == 1 and inject == "agree":
+        built = [0]
+
+        def second(*args, **kwargs) -> bool:
+            built[0] += 1
+            return built[0] == 2
+
+        autooffload_distributed.message = injected_once(real["message"], second)
+    if rank == 1 and inject == "join":
+        autooffload_distributed.AgreementGroup = injected_once(real["AgreementGroup"], lambda *a, **k: True)
+    if rank == 1 and inject == "worst":
+        ended = lambda *args, ended=False, **kwargs: ended  # noqa: E731
+        autooffload_distributed.message = injected_once(real["message"], ended)
+    calls = count_collectives()
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    controller = None if inject == "none" else OffloadController(Settings(), probe=None, policy=RecordingPolicy())
+    losses = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AutoOffloadWarning)
+            if controller is not None:
+                controller.attach(model)
+            wrapped = DistributedDataParallel(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(len(LENGTHS)):
+                ids = batch(step, rank)
+                loss = wrapped(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                if controller is not None:
+                    controller.end_step()
+            if controller is not None:
+                controller.finish()
+                controller.detach()
+    finally:
+        for name, value in real.items():
+            setattr(autooffload_distributed, name, value)
+    return {
+        "losses": losses,
+        "parameters": parameter_digest(model),
+        "collectives": calls[0],
+        "pre_hooks": len(model._forward_pre_hooks),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+    }
+
+
+def collective_faults(rank: int, out: Path) -> dict:
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    return {inject: collective_fault_run(rank, inject) for inject in ("none", "agree", "join", "worst")}
+
+
+class Experiment:
+    """A user's training object whose attributes come from a dict (``self.cfg``): its ``__getattr__`` raises
+    ``KeyError``, not ``AttributeError``, for a name it lacks. Its :meth:`run` trains (a frame whose ``self`` it is)."""
+
+    def __init__(self, rank: int, offload: bool) -> None:
+        self.cfg = {"rank": rank, "offload": offload}
+
+    def __getattr__(self, name: str):
+        return self.cfg[name]
+
+    def run(self) -> dict:
+        import warnings
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        from autooffload import AutoOffloadWarning
+
+        model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        controller = OffloadController(Settings(), probe=None, policy=RecordingPolicy()) if self.offload else None
+        calls = count_collectives()
+        levels, losses = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AutoOffloadWarning)
+            if controller is not None:
+                controller.attach(model)
+                levels = record_levels(controller)
+            wrapped = DistributedDataParallel(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(len(LENGTHS)):
+                ids = batch(step, self.rank)
+                loss = wrapped(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                if controller is not None:
+                    controller.end_step()
+            if controller is not None:
+                controller.finish()
+                controller.detach()
+        return {
+            "losses": losses,
+            "parameters": parameter_digest(model),
+            "levels": levels,
+            "collectives": calls[0],
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+        }
+
+
+def user_getattr(rank: int, out: Path) -> dict:
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    real = autooffload_distributed.all_reduce_max
+    result = {}
+    for offload in (False, True):
+        result[str(offload)] = Experiment(rank, offload).run()
+        autooffload_distributed.all_reduce_max = real
+    return result
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -697,6 +841,8 @@ def main() -> None:
         "give_up": give_up,
         "give_up_in_forward": give_up_in_forward,
         "uneven_micro_batches": uneven_micro_batches,
+        "collective_faults": collective_faults,
+        "user_getattr": user_getattr,
         "zero2": lambda rank, out: deepspeed_zero(2, out),
         "zero3": lambda rank, out: deepspeed_zero(3, out),
     }

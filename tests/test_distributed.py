@@ -456,3 +456,67 @@ def test_ranks_with_different_numbers_of_micro_batches_fail_safe_with_one_warnin
     assert "DDP's join()" in ranks[0]["join"]["warnings"][0]
     assert "while this one has micro-batches left" in ranks[0]["bare"]["warnings"][0]
     assert "while another had micro-batches left" in ranks[1]["bare"]["warnings"][0]
+
+
+@needs_gloo
+def test_a_rank_failing_before_a_collective_makes_it_with_the_flag(tmp_path):
+    """Issue 49, 1.1: rank 1 fails after the agreement's bookkeeping and before its ``all_reduce``: building its second
+    micro-batch's message, making the side group at the join, building the end's message. Before, the bookkeeping
+    marked the collective made first: rank 1 skipped the agreement and its gradient all-reduce met rank 0's agreement
+    (gloo aborted both), skipped the join (rank 0's join met rank 1's DDP broadcast), or left rank 0 alone in the
+    end's gather. Now the failed rank makes the collective it owes, with the flag: both ranks finish every step with
+    the losses and parameters of a run without autooffload, the same collectives, one warning each."""
+    ranks = run_ranks("collective_faults", tmp_path, timeout_s=240)
+    for result in ranks:
+        plain = result["none"]
+        assert len(plain["losses"]) == len(LENGTHS)
+        for case in ("agree", "join", "worst"):
+            run = result[case]
+            assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"], case
+            assert run["pre_hooks"] == 0, case
+    # The second micro-batch's agreement carried the flag; no agreement at all (the join told); four and the end's.
+    for case, collectives in (("agree", 2), ("join", 0), ("worst", len(LENGTHS) + 1)):
+        assert ranks[0][case]["collectives"] == ranks[1][case]["collectives"] == collectives, case
+    for case, where, since in (
+        ("agree", "the pre-forward hook", "every rank goes on with plain checkpointing from this micro-batch on"),
+        ("join", "attach", "every rank goes on with plain checkpointing from the start"),
+        ("worst", "finish", "this rank learned it at the end"),
+    ):
+        (mine,) = ranks[1][case]["warnings"]
+        assert f"internal error in {where} (RuntimeError: injected failure on rank 1)" in mine, case
+        (theirs,) = ranks[0][case]["warnings"]
+        assert "rank 1 gave up" in theirs and since in theirs, (case, theirs)
+
+
+class Config:
+    """A user object whose attributes come from a dict: ``__getattr__`` raises ``KeyError`` for a name it lacks."""
+
+    def __init__(self) -> None:
+        self.cfg = {"seq": 64}
+
+    def __getattr__(self, name: str):
+        return self.cfg[name]
+
+    def check(self) -> bool:
+        return distributed.under_join()
+
+
+def test_under_join_reads_no_attribute_of_a_user_object():
+    """Issue 49, 1.2: ``under_join`` read ``_join_config`` with ``getattr(self, name, None)`` from every frame's
+    ``self``; a ``KeyError`` from a user's ``__getattr__`` came out of it (and out of ``model(...)``)."""
+    assert Config().check() is False
+
+
+@needs_gloo
+def test_training_from_a_user_object_with_a_dict_getattr_matches_plain_checkpointing(tmp_path):
+    """Issue 49, 1.2: a DDP loop run from a method of a user object whose ``__getattr__`` reads a dict. Before, the
+    pre-forward hook's join check raised that object's ``KeyError`` out of the first micro-batch's forward on every
+    rank. Now both ranks train with the losses and parameters of plain checkpointing, agree every micro-batch, and
+    warn nothing."""
+    ranks = run_ranks("user_getattr", tmp_path, timeout_s=180)
+    every = WORKER_LAYERS
+    for result in ranks:
+        plain, run = result["False"], result["True"]
+        assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"]
+        assert [level for _, level in run["levels"]] == [0, every, 0, every]
+        assert run["collectives"] == len(LENGTHS) + 1 and run["warnings"] == []

@@ -645,3 +645,53 @@ def test_a_non_contiguous_input_is_moved_to_a_copy_of_its_own_and_counted():
     engine = SyncEngine(stats, HostMemory(copy_cpu=True, memory=lambda: PLENTY))
     assert all(torch.equal(a, b) for a, b in zip(step(engine), step(None), strict=True))
     assert (stats.total_bytes, stats.tensors, stats.short_bytes) == (layer_input.numel() * 4, 1, 0)
+
+
+def test_buffers_lent_at_a_give_up_are_released_as_the_backward_returns_them(monkeypatch):
+    """Issue 49, 1.5: a custom loop gives up inside a forward (a layer's report raising, its earlier layers' inputs in
+    host buffers). ``release_all()`` at the give-up freed only the free buffers; those on loan came back in that
+    micro-batch's backward and were pooled, held until the run ended. Now they are released as they come back: nothing
+    is held after that backward, and the losses are plain checkpointing's."""
+    from autooffload import SimulatedDevice
+    from autooffload.guard import ENTRY_POINTS
+
+    point = ENTRY_POINTS["a layer call's report"]
+    original = point.method
+
+    def report(controller, position, *args, **kwargs):
+        if controller.step == 1 and position == LAYERS - 2:
+            raise RuntimeError("injected in a report")
+        return original(controller, position, *args, **kwargs)
+
+    monkeypatch.setattr(point, "method", report)
+    ids = random_ids(64)
+
+    def run(offload: bool):
+        net = model()
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.train()
+        controller = OffloadController(Settings(mode="on"), probe=SimulatedDevice("1GiB")) if offload else None
+        if controller is not None:
+            assert controller.attach(net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses, host = [], []
+        for _ in range(3):
+            loss = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if controller is not None:
+                host.append((controller.host.lent_bytes, controller.host.held_bytes))
+                controller.end_step()
+        return losses, host, controller
+
+    plain, _, _ = run(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        losses, host, controller = run(True)
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and "internal error in a layer call's report (RuntimeError: injected" in ours[0]
+    assert controller.failed and losses == plain
+    assert host[0][1] >= expected_bytes(64, batch=2)  # the first step offloaded every layer
+    assert host[1:] == [(0, 0), (0, 0)]

@@ -18,6 +18,8 @@ from test_layers import remote_model
 
 from autooffload import AutoOffloadWarning, OffloadController, ScriptedProbe, Settings
 from autooffload.apply.host_memory import HostMemory
+from autooffload.apply.offload import OffloadStats
+from autooffload.apply.streams import Streams
 from autooffload.guard import IN_STEP
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autooffload"
@@ -151,3 +153,57 @@ def test_a_host_reading_that_fails_once_inside_take_no_longer_escapes_the_forwar
     (warning,) = ours
     assert "internal error in the sync engine's pack hook (OSError: [Errno 24] Too many open files)" in warning
     assert controller.failed and controller.switch is None
+
+
+@pytest.mark.parametrize(("scenario", "owner", "name"), [("sync", OffloadStats, "add"), ("stream", Streams, "copy")])
+def test_a_pack_failing_after_its_buffer_was_taken_gives_the_buffer_back(monkeypatch, scenario, owner, name):
+    """Issue 49, 1.4: a pack that failed after ``HostMemory.take`` (the sync engine counting the bytes, the stream
+    engine's copy) kept its tensor on the device, as it should, but its buffer was owned by nothing: lent for the
+    rest of the run, beyond ``release_all()``. Now it goes back: nothing is lent once the run gave up, everything
+    held is released, and the steps are plain checkpointing's."""
+    original, failed = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("injected after take")
+        return original(*args, **kwargs)
+
+    reference = train(scenario, plain=True)
+    monkeypatch.setattr(owner, name, failing)
+    host = pinned_host()
+    run = train(scenario, host=host)
+    _, _, controller, ours, _ = run
+    assert failed and same(run, reference)
+    (warning,) = ours
+    assert f"internal error in the {scenario} engine's pack hook (RuntimeError: injected after take)" in warning
+    assert controller.failed and host.lent_bytes == 0
+    host.release_all()
+    assert host.held_bytes == 0
+
+
+def test_only_torchs_out_of_memory_error_is_the_steps_a_message_alone_is_autooffloads():
+    """Issue 49, 1.6, decided: inside autooffload's code in a step, the error is the step's (and propagates, for the
+    rescue to rerun the step) only as ``torch.OutOfMemoryError``, which torch raises for every device allocation that
+    fails. A plain ``RuntimeError`` whose message says "CUDA out of memory" is not matched by its text: the rescue
+    could not catch it either (it catches the type), so propagating it would end the run; as autooffload's error it
+    leaves the step plain checkpointing's, with one warning, and a real shortage then surfaces as torch's own error."""
+
+    def raising(error: Exception):
+        def take(nbytes, device):
+            raise error
+
+        return take
+
+    reference = train("sync", plain=True)
+    host = pinned_host()
+    host.take = raising(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    run = train("sync", host=host)
+    _, _, controller, ours, _ = run
+    assert same(run, reference) and controller.failed
+    (warning,) = ours
+    assert "internal error in the sync engine's pack hook (RuntimeError: CUDA out of memory." in warning
+    host = pinned_host()
+    host.take = raising(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(torch.OutOfMemoryError):
+        train("sync", host=host)

@@ -142,6 +142,31 @@ def test_a_mock_over_trainer_log_is_called_with_the_keys_and_trainers_log_still_
     assert [call.args[0]["autooffload/active"] for call in log.call_args_list if "loss" in call.args[0]] == [1.0] * 2
 
 
+def test_a_failure_reading_the_metrics_lets_the_log_go_out_without_our_keys(tmp_path):
+    """Issue 49, 1.3: the wrapper of ``Trainer.log`` was not guarded: ``controller.metrics()`` raising ended
+    ``trainer.train()``. Now every log goes out without autooffload's keys, with one warning, and the run ends with
+    plain checkpointing's losses and parameters."""
+    lengths = [64, 128, 64]
+    reference_trainer, reference = train(tmp_path / "plain", lengths, offload=None)
+    callback = AutoOffloadCallback(mode="on", probe=None)
+
+    def metrics():
+        raise RuntimeError("injected in metrics")
+
+    callback.controller.metrics = metrics
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        trainer, net = train(tmp_path / "failing", lengths, callbacks=[callback])
+    ours = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert len(ours) == 1 and "internal error in the Trainer's log (RuntimeError: injected in metrics)" in ours[0]
+    training_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(training_logs) == len(lengths)
+    assert not [key for h in trainer.state.log_history for key in h if key.startswith("autooffload/")]
+    assert [h["loss"] for h in training_logs] == [h["loss"] for h in reference_trainer.state.log_history if "loss" in h]
+    for (name, a), (_, b) in zip(net.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_no_memory_reading_gives_one_warning_and_a_working_run(tmp_path):
     callback = AutoOffloadCallback(seq_high=200, seq_low=100)  # probe "auto": NVML, absent on this machine
     with warnings.catch_warnings(record=True) as caught:

@@ -118,8 +118,7 @@ class HostMemory:
         self.pin = _pinning_available() if pin is None else pin
         self.copy_cpu = copy_cpu
         self.allocate, self.register, self.unregister, self.drain = allocate, register, unregister, drain
-        self.memory = memory
-        self.limits = limits
+        self.memory, self.limits = memory, limits
         self.budget_source = "the caller"  # what set budget_bytes: a limit's name, or the setting
         self.min_free = min_free
         self.release_after = release_after
@@ -133,8 +132,7 @@ class HostMemory:
         # Running totals (autooffload.observe.costs): requests, new buffers, pinned ones and the time pinning took,
         # releases, and host waits for the device (a drain; a copy to or from a buffer that is not pinned: two).
         self.takes = self.allocations = self.registrations = self.releases = self.syncs = 0
-        self.pin_seconds = 0.0
-        self.step = 0
+        self.pin_seconds, self.step = 0.0, 0
         self._free: dict[torch.device, list[HostBuffer]] = {}
         self._lock = threading.RLock()  # give() runs from finalizers, possibly inside take() on this thread
         self._landed = threading.Condition(self._lock)  # a buffer prepared ahead joined the free list
@@ -142,6 +140,7 @@ class HostMemory:
         self.devices: tuple[torch.device, ...] = ()  # the model's, where the controller said (set_budget)
         self.prepare_threads = prepare_threads if prepare_threads is not None else PREPARE_THREADS
         self.warn = WarnOnce()
+        self.closed = False  # from release_all to set_budget (the next attach): a buffer given back is released
 
     def expect(self, sizes: Iterable[int]) -> None:
         """The micro-batch about to run will ask for buffers of these sizes (its planned layers' inputs, which the
@@ -274,7 +273,7 @@ class HostMemory:
         """This process's share of host memory for offload (``setting``: ``AUTOOFFLOAD_HOST_MEMORY``) under every
         limit that applies (:func:`process_budget`), unless a budget is set; ``devices``: the model's, for the
         buffers prepared ahead."""
-        self.devices = tuple(devices)
+        self.devices, self.closed = tuple(devices), False
         if self.budget_bytes is None:
             self.budget_bytes, self.budget_source = process_budget(setting, self.limits(), ranks_per_node())
 
@@ -286,12 +285,12 @@ class HostMemory:
         )
 
     def give(self, buffer: HostBuffer, drop: bool = False) -> None:
-        """Return a buffer; only later copies on its device's stream may touch it (the caller's rule). ``drop``:
-        release it at once (a return that failed: the buffer is not lost to the budget)."""
+        """Return a buffer; only later copies on its device's stream may touch it (the caller's rule). Released at once
+        with ``drop`` (a return that failed) or after :meth:`release_all` (lent at a give-up, back in its backward)."""
         with self._lock:
             buffer.last_step, self.lent_bytes = self.step, self.lent_bytes - buffer.nbytes
             self._free.setdefault(buffer.device, []).append(buffer)
-            if drop:
+            if drop or self.closed:
                 self._release([buffer], None)
 
     def end_step(self) -> None:
@@ -323,8 +322,9 @@ class HostMemory:
         return max(int(self.min_free * total) - available, 0)
 
     def release_all(self) -> None:
-        """Release every free buffer (end of training), once those being prepared have landed."""
+        """Release every free buffer (end of training) once those prepared ahead landed, lent ones as they come back."""
         with self._landed:
+            self.closed = True
             self._wait_for_prepared(0, None)
             self._release([b for bs in self._free.values() for b in bs], None)
 

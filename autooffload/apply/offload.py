@@ -247,13 +247,19 @@ def _to_host(
     if buffer is None:
         stats.short(nbytes)
         return _Saved(tensor)
-    stats.add(nbytes)
-    view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
-    # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the source's
-    # block only for work queued after it on that same stream, so freeing it is safe. The buffer is written
-    # again only by a later pack, queued on that stream after this unpack's copy.
-    view.copy_(tensor, non_blocking=buffer.pinned)
-    return _Saved(tensor, view, _Loan(host, buffer, faults))
+    try:
+        view = buffer.tensor[:nbytes].view(tensor.dtype).view(tensor.shape)
+        # Into pinned memory the copy is queued on the compute stream; the caching allocator reuses the source's
+        # block only for work queued after it on that same stream, so freeing it is safe. The buffer is written
+        # again only by a later pack, queued on that stream after this unpack's copy.
+        view.copy_(tensor, non_blocking=buffer.pinned)
+        saved = _Saved(tensor, view)
+        stats.add(nbytes)
+    except BaseException:  # the tensor stays on the device (the pack's fallback): its buffer goes back, not lost
+        host.give(buffer)
+        raise
+    saved.loan = _Loan(host, buffer, faults)
+    return saved
 
 
 class HostOffloadHooks(torch.autograd.graph.saved_tensors_hooks):

@@ -356,16 +356,20 @@ class StreamEngine:
         if lease is None:
             self.stats.short(nbytes)
             return None
-        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        compute = self.streams.current(device)
-        produced = self.streams.record(compute)
-        copier = self.streams.copy_stream(device)
-        with self.streams.using(copier):
-            self.streams.wait(copier, produced)
-            self.streams.copy(lease[0][:nbytes], source)
-            done = self.streams.record(copier)
-        self._in_flight.append((region.serial, source, compute, done))
-        self.stats.add(nbytes)
+        try:
+            source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            compute = self.streams.current(device)
+            produced = self.streams.record(compute)
+            copier = self.streams.copy_stream(device)
+            with self.streams.using(copier):
+                self.streams.wait(copier, produced)
+                self.streams.copy(lease[0][:nbytes], source)
+                done = self.streams.record(copier)
+            self._in_flight.append((region.serial, source, compute, done))
+            self.stats.add(nbytes)
+        except BaseException:  # the tensor stays on the device (the pack's fallback): its buffer goes back, not lost
+            self.pool.give(*lease)
+            raise
         return _HostCopy(self, lease, nbytes, device)
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
