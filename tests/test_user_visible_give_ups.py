@@ -78,7 +78,9 @@ def test_the_give_up_warning_names_the_first_failure_of_a_step():
     consequence, and naming it sends the user to the wrong place). Fails if ``StepFaults.shield`` keeps the latest
     failure (autooffload/guard.py:83, ``if self.first is None:`` made ``if True:``)."""
     net = checkpointed()
-    controller = OffloadController(Settings(mode="on", host_memory="1GiB", engine="sync"), probe=None, host=pinned_host())
+    controller = OffloadController(
+        Settings(mode="on", host_memory="1GiB", engine="sync"), probe=None, host=pinned_host()
+    )
     with warnings.catch_warnings(record=True) as caught, Faults({UNPACK: {1, 2}}) as faults:
         warnings.simplefilter("always", AutoOffloadWarning)
         assert controller.attach(net)
@@ -190,7 +192,9 @@ def test_an_optimizer_without_torchs_step_hooks_trains_on_without_giving_up():
     Accelerator(cpu=True)  # the state accelerate's wrappers read, as under Trainer
     net = checkpointed()
     optimizer = DeepSpeedOptimizerWrapper(ZeroStageOptimizer(net.parameters()))
-    assert isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "_optimizer_step_pre_hooks", None) is None
+    assert (
+        isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "_optimizer_step_pre_hooks", None) is None
+    )
     controller = OffloadController(Settings(recompute="auto"), probe=SimulatedDevice(2**34))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AutoOffloadWarning)
