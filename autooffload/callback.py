@@ -218,11 +218,19 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         self.controller.detach()
 
     def abandon(self) -> None:
-        """``train()`` raised: write the history and detach, as ``on_train_end`` would (without its collective)."""
+        """``train()`` raised: write the history and detach, as ``on_train_end`` would (without its collective).
+        The user's error is the one to see: a failure of ours here is a warning beside it, and each part of the
+        clean-up runs whether the one before it failed or not."""
         self._training = False
-        self._write_history()
-        self.controller.detach()
-        self.controller.end_run()
+        for part in (self._write_history, self.controller.detach, self.controller.end_run):
+            try:
+                part()
+            except Exception as error:
+                self.controller.warn(
+                    "failed",
+                    f"internal error cleaning up after train() raised ({type(error).__name__}: {error}); the error "
+                    "train() raised goes on (please report this with the model's config)",
+                )
 
     # ---- history -------------------------------------------------------------------------------------
 

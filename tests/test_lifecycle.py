@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from autooffload import (
     AutoOffloadCallback,
+    AutoOffloadWarning,
     OffloadController,
     ScriptedProbe,
     Settings,
@@ -229,6 +230,28 @@ def test_a_failed_train_leaves_one_controller_for_the_next_run(tmp_path, through
     assert second.controller.record.reinstalls == 0
     assert hooks_of(net) == []  # detached at the end of training
     assert all(ours(f) is not None for f in checkpoint_functions(net))
+
+
+def test_a_failure_cleaning_up_a_failed_train_warns_and_the_users_error_goes_on(tmp_path, monkeypatch):
+    """Our clean-up after ``train()`` raised must not replace the user's error with ours, nor stop halfway: the
+    history write fails here, and the hooks still come off the model."""
+    net = model()
+    trainer = FailingTrainer(model=net, args=training_args(tmp_path, 3), train_dataset=dataset([64, 96, 128]))
+    trainer.fail_at = 2
+    failed = attach(trainer, mode="on", probe=None)
+
+    write = failed._write_history
+
+    def broken() -> None:  # the writes during training go through; the clean-up's fails
+        if failed._training:
+            return write()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(failed, "_write_history", broken)
+    with pytest.warns(AutoOffloadWarning, match="cleaning up after train.. raised .OSError: disk full"):
+        with pytest.raises(RuntimeError, match="injected"):
+            trainer.train()
+    assert hooks_of(net) == [] and failed.controller.switch is None
 
 
 def test_a_failed_train_under_a_mock_over_train_is_cleaned_up(tmp_path):
