@@ -307,8 +307,8 @@ def test_canines_character_encoders_are_planned_and_every_checkpointed_input_mov
     """CANINE's character encoders run on what the model computed from its characters (their forward takes
     ``hidden_states``) beside the deep encoder: all three stacks are planned, and mode ``on`` moves every checkpointed
     layer's input, as the arithmetic says. Before, the deep encoder's two layers alone moved (8 of 40 KiB a step)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import conformance
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.conformance.calls import CheckpointCalls
 
     chars = 64
     ids = torch.randint(5, 120, (BATCH, chars), generator=torch.Generator().manual_seed(1))
@@ -317,7 +317,7 @@ def test_canines_character_encoders_are_planned_and_every_checkpointed_input_mov
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         controller = offloading(net)
-        recorder = conformance.CheckpointCalls()
+        recorder = CheckpointCalls()
         with recorder.watching():
             moved, arithmetic, grads = run_steps(Classified(net), ids, controller, skip_unused=True)
     assert [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)] == []

@@ -1,4 +1,4 @@
-"""A representative subset of the conformance sweep (``benchmarks/conformance.py``), in the suite.
+"""A representative subset of the conformance sweep (``benchmarks/conformance/``), in the suite.
 
 One tiny random model per type, one training step with plain checkpointing, with autooffload ``mode="on"``
 and at a partial level; the sweep's own hooks on torch's checkpoint measure what should move. Each type must
@@ -19,8 +19,11 @@ from pathlib import Path
 import pytest
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import conformance
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.conformance.calls import CheckpointCalls
+from benchmarks.conformance.models import build, make_batch
+from benchmarks.conformance.rows import check_type
+from benchmarks.conformance.sweep import model_types
 
 SUBSET = [
     # dense
@@ -71,12 +74,12 @@ SUBSET = [
 ]
 SECOND_ACTIVATIONS = {"zaya", "pegasus_x"}
 # fine-tuned with images or audio, their vision or audio tower checkpointed (issue 28): swept with such a batch
-# what the sweep's generic tiny config or batch cannot build (issue 28): each runs with what benchmarks/quirks gives
-# it, and covers what running it found: stacks beside the text stack on what the model computes from its tokens
-# (BLT's patches, byte decoder and patcher; Diffusion-Gemma's decoder on its canvas), a layer that checkpoints a
-# layer inside it (Zamba2's hybrid layers), a tensor every layer re-reads passed under a name of its own (Zamba2's
-# original input, Inkling-2's block states), a model that needs its image (BLIP-2), Marian's own decoder vocabulary,
-# Canary's features laid out by its extractor
+# what the sweep's generic tiny config or batch cannot build (issue 28): each runs with what
+# benchmarks/conformance/quirks gives it, and covers what running it found: stacks beside the text stack on what the
+# model computes from its tokens (BLT's patches, byte decoder and patcher; Diffusion-Gemma's decoder on its canvas), a
+# layer that checkpoints a layer inside it (Zamba2's hybrid layers), a tensor every layer re-reads passed under a name
+# of its own (Zamba2's original input, Inkling-2's block states), a model that needs its image (BLIP-2), Marian's own
+# decoder vocabulary, Canary's features laid out by its extractor
 QUIRKS_SUBSET = [
     ("blt", "causal"),
     ("diffusion_gemma", "image-text"),
@@ -98,7 +101,7 @@ def test_the_sweep_sees_every_checkpointed_call_of_the_installed_torch(reentrant
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    recorder = conformance.CheckpointCalls()
+    recorder = CheckpointCalls()
     layer = torch.nn.Linear(4, 4)
     with recorder.watching():
         for rows in (3, 5):
@@ -119,12 +122,12 @@ def test_a_model_fine_tuned_on_images_or_audio_conforms_with_such_a_batch(model_
 
 @pytest.mark.parametrize(("model_type", "mapping"), QUIRKS_SUBSET)
 def test_a_type_the_generic_tiny_model_does_not_suit_conforms_with_its_quirks(model_type, mapping):
-    if (model_type, mapping) not in conformance.model_types([mapping]):
+    if (model_type, mapping) not in model_types([mapping]):
         pytest.skip(f"{model_type} is not in this transformers' {mapping} mapping")
-    row = conformance.check_type(model_type, mapping)
+    row = check_type(model_type, mapping)
     release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
     if row["verdict"] == "skipped" and release < (5, 25):
-        pytest.skip(f"benchmarks/quirks is written for transformers 5.25: {row['reason']}")
+        pytest.skip(f"benchmarks/conformance/quirks is written for transformers 5.25: {row['reason']}")
     assert row["verdict"] == "correct", row
     assert row["moved"] == row["measured"] == round(row["arithmetic"]) > 0
 
@@ -132,9 +135,9 @@ def test_a_type_the_generic_tiny_model_does_not_suit_conforms_with_its_quirks(mo
 def judged(model_type: str, mapping: str) -> dict:
     """The sweep's row for this type; the test is skipped where this transformers lacks the type or its tiny
     model cannot take a plain checkpointed step."""
-    if (model_type, mapping) not in conformance.model_types([mapping]):
+    if (model_type, mapping) not in model_types([mapping]):
         pytest.skip(f"{model_type} is not in this transformers' {mapping} mapping")
-    row = conformance.check_type(model_type, mapping)
+    row = check_type(model_type, mapping)
     if row["verdict"] == "skipped":
         pytest.skip(row["reason"])
     return row
@@ -153,12 +156,12 @@ def test_transformers_own_checkpointing_test_passes_with_autooffload_on(model_ty
     """transformers' ``check_training_gradient_checkpointing``, read from the installed release's sdist (fetched once
     with pip where it is not cached), in its three scenarios, with autooffload attached in mode ``on``: on 5.x it wraps
     the first layer's checkpoint function in a ``MagicMock`` that must count the layer's forwards."""
-    import upstream
+    from benchmarks.conformance import upstream
 
-    if (model_type, mapping) not in conformance.model_types([mapping]):
+    if (model_type, mapping) not in model_types([mapping]):
         pytest.skip(f"{model_type} is not in this transformers' {mapping} mapping")
-    model, config = conformance.build(model_type, mapping, True)
-    batch = conformance.make_batch(model, config, mapping)
+    model, config = build(model_type, mapping, True)
+    batch = make_batch(model, config, mapping)
     found = upstream.run_upstream(type(model), model.config, batch)
     if found["verdict"] == "unavailable":
         pytest.skip(found["reason"])

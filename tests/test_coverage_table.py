@@ -1,6 +1,6 @@
 """The conformance counts the README and the coverage page state are those of the sweep's table they link.
 
-The sweep (``benchmarks/conformance.py``) writes ``conformance.json`` next to its table; a page that links a
+The sweep (``python -m benchmarks.conformance``) writes ``conformance.json`` next to its table; a page that links a
 table must state that table's counts, and the size of the suite's subset must be the subset's.
 """
 

@@ -138,7 +138,9 @@ def test_every_skipped_example_says_why():
 
 def test_long_commands_are_not_run():
     """./dev, the sweep and the GPU check take minutes to hours: their blocks must be marked not-run."""
-    slow = re.compile(r"\./dev |gpu_check\.py|conformance\.py|bench\.py|ladder\.py|simulate\.py|pip install")
+    slow = re.compile(
+        r"\./dev |gpu_check\.py|conformance\.py|benchmarks\.conformance|bench\.py|ladder\.py|simulate\.py|pip install"
+    )
     for page in PAGES:
         for block in filter(runnable, blocks(page)):
             assert not slow.search(block.code), f"{page.name}:{block.line}: mark this block <!-- not-run: why -->"

@@ -1,5 +1,5 @@
 """Token ids a processor adds to the tokenizer, and where its prompt puts them: shared by the quirks' batches and
-the sweep's tiny configs (:func:`conformance.tiny_config`)."""
+the sweep's tiny configs (:func:`..models.tiny_config`)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
+from .. import tiny
+
 
 def free_ids(config: Any, count: int = 1, *, below: int | None = None, taken: Iterable[int] = ()) -> list[int]:
     """The ``count`` highest ids under ``below`` (by default the text vocabulary's size,
-    :func:`conformance.text_vocab`) that no special id of ``config`` (:func:`conformance.special_ids`, its
+    :func:`tiny.text_vocab`) that no special id of ``config`` (:func:`tiny.special_ids`, its
     sub-configs' too) and none of ``taken`` holds, highest first, never 0: where a processor's added tokens land
     (the end of the tokenizer's vocabulary). Fewer where the vocabulary has fewer such ids."""
-    import conformance
 
-    top = conformance.text_vocab(config) if below is None else below
-    avoid = conformance.special_ids(config) | set(taken)
+    top = tiny.text_vocab(config) if below is None else below
+    avoid = tiny.special_ids(config) | set(taken)
     return list(itertools.islice((i for i in range(top - 1, 0, -1) if i not in avoid), count))
 
 

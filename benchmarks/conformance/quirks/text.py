@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import tiny
 from .registry import base_config, batch_fix, config_fix
 
 
@@ -33,11 +34,10 @@ def _causal_lm_reads_the_decoder_config(config):
 def _one_token_stream_per_codebook(model, config, batch):
     """The decoder predicts every codebook of the audio codec at once: labels are ``[batch, seq, num_codebooks]``
     codes (what the codec's encoder gives), shifted right into the ``[batch * num_codebooks, seq]`` inputs."""
-    import conformance
     import torch
 
-    ids = conformance.token_sampler(config)
-    codes = torch.stack([ids(conformance.SEQ) for _ in range(config.num_codebooks)], dim=-1)
+    ids = tiny.token_sampler(config)
+    codes = torch.stack([ids(tiny.SEQ) for _ in range(config.num_codebooks)], dim=-1)
     return {"labels": codes}
 
 
@@ -70,14 +70,13 @@ def _reformer_decoder_with_axial_positions_over_the_batch(config):
     """The LM head needs a causal (``is_decoder``) Reformer, as in google/reformer-crime-and-punishment. In training
     its axial position shape must multiply to the sequence length and the chunk lengths divide it; the axial
     embedding widths sum to the hidden width (released: 64 + 192 of 256)."""
-    import conformance
 
     config.is_decoder = True
-    config.axial_pos_shape = [6, conformance.SEQ // 6]
+    config.axial_pos_shape = [6, tiny.SEQ // 6]
     config.axial_pos_embds_dim = [config.hidden_size // 4, config.hidden_size * 3 // 4]
     config.local_attn_chunk_length = config.lsh_attn_chunk_length = 16
     config.attention_head_size = config.hidden_size // config.num_attention_heads
-    config.max_position_embeddings = conformance.SEQ
+    config.max_position_embeddings = tiny.SEQ
 
 
 @config_fix("xmod")
@@ -159,13 +158,12 @@ def _sizes_between_the_byte_and_patch_stacks_derived_again(config):
     the global transformer's width (``encoder_cross_output_size``: BLT-7B's do, BLT-1B's match), and its local
     decoder reads the global width (``hidden_size_global``); the shrink changes the widths after that. Derive
     both again. The hash n-gram embeddings (six tables of 500002 rows released) get the sweep's vocabulary."""
-    import conformance
 
     encoder, decoder, global_ = config.encoder_config, config.decoder_config, config.global_config
     cross = encoder.hidden_size * config.cross_attn_k
     global_.encoder_cross_output_size = cross if cross != global_.hidden_size else None
     encoder.hidden_size_global = decoder.hidden_size_global = global_.hidden_size
-    config.encoder_hash_byte_group_vocab = conformance.VOCAB
+    config.encoder_hash_byte_group_vocab = tiny.VOCAB
 
 
 base_config(
@@ -220,7 +218,6 @@ def _protein_sequences_beside_the_text(model, config, batch):
     tokens (``protein_input_ids``, amino acid and Foldseek letter pairs, with their mask) beside the text, and the
     text's decoder attends to what the encoder made of them. The sequence is shorter than the text, as a short
     protein's would be at these sizes."""
-    import conformance
 
-    protein = conformance.token_sampler(config.protein_encoder_config)(conformance.SEQ - 8)
+    protein = tiny.token_sampler(config.protein_encoder_config)(tiny.SEQ - 8)
     return {**batch, "protein_input_ids": protein, "protein_attention_mask": protein.new_ones(protein.shape)}

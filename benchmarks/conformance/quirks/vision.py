@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .. import tiny
 from .registry import batch_fix, config_fix, fix_config
 from .tokens import before_text, free_ids
 
@@ -14,12 +15,11 @@ from .tokens import before_text, free_ids
 def _text(config: Any, length: int, avoid: Iterable[int] = ()) -> Any:
     """``[BATCH, length]`` random text ids of the config's vocabulary, no special id nor any of ``avoid`` among
     them."""
-    import conformance
     import torch
 
-    taken = conformance.special_ids(config) | set(avoid)
-    allowed = torch.tensor([i for i in range(conformance.text_vocab(config)) if i not in taken])
-    picks = torch.randint(len(allowed), (conformance.BATCH, length), generator=torch.Generator().manual_seed(1))
+    taken = tiny.special_ids(config) | set(avoid)
+    allowed = torch.tensor([i for i in range(tiny.text_vocab(config)) if i not in taken])
+    picks = torch.randint(len(allowed), (tiny.BATCH, length), generator=torch.Generator().manual_seed(1))
     return allowed[picks]
 
 
@@ -44,12 +44,11 @@ def _chameleon_batch(model, config, batch):
     """``ChameleonProcessor``'s batch: 64-pixel images (the VQ-GAN's four halvings make 4 x 4 codes; the processor's
     512-pixel crops make 32 x 32) and one ``<image>`` per code before the text, whose ids are no image code (the
     model never predicts one: it masks their logits)."""
-    import conformance
     import torch
 
     codes = set(config.vocabulary_map.values()) - {config.image_token_id}
-    framed = before_text(_text(config, conformance.SEQ, codes), [config.image_token_id] * 16)
-    pixels = torch.randn(conformance.BATCH, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    framed = before_text(_text(config, tiny.SEQ, codes), [config.image_token_id] * 16)
+    pixels = torch.randn(tiny.BATCH, 3, 64, 64, generator=torch.Generator().manual_seed(2))
     return {"pixel_values": pixels, **framed}
 
 
@@ -88,12 +87,11 @@ def _ocr2_dense_then_sparse_layers(config):
 def _diffusion_gemma_expert_sizes(config):
     """Every layer runs a mixture of experts beside its MLP (Gemma-4 26B-A4B's: 128 experts of width 704, 8 per
     token), whose sizes the default config leaves unset: the sweep's tiny ones."""
-    import conformance
 
     text = config.text_config
-    text.num_experts = conformance.SIZE_KEYS["num_experts"]
-    text.top_k_experts = conformance.SIZE_KEYS["num_experts_per_tok"]
-    text.moe_intermediate_size = conformance.SIZE_KEYS["moe_intermediate_size"]
+    text.num_experts = tiny.SIZE_KEYS["num_experts"]
+    text.top_k_experts = tiny.SIZE_KEYS["num_experts_per_tok"]
+    text.moe_intermediate_size = tiny.SIZE_KEYS["moe_intermediate_size"]
 
 
 # ---- ERNIE 4.5 VL ----------------------------------------------------------------------------------------
@@ -135,13 +133,12 @@ def _granite_vision_batch(model, config, batch):
     """``Granite4VisionProcessor``'s batch for one tower-sized image: its overview and its one tile
     (``[batch, 2, C, H, W]``, the any-resolution split of a grid of one), ``image_sizes``, and as many ``<image>``
     tokens before the text as the projectors make of it (read off the model's ``get_image_features``)."""
-    import conformance
     import torch
 
     side = config.vision_config.image_size
-    shape = (conformance.BATCH, 2, config.vision_config.num_channels, side, side)
+    shape = (tiny.BATCH, 2, config.vision_config.num_channels, side, side)
     pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-    sizes = torch.tensor([[side, side]] * conformance.BATCH)
+    sizes = torch.tensor([[side, side]] * tiny.BATCH)
     with torch.no_grad():
         features = model.model.get_image_features(pixels, sizes)
     count = len(features.deepstack_features[0][1][0])
@@ -193,10 +190,9 @@ def _molmo2_batch(model, config, batch):
     of them pooled into each image token (``image_token_pooling``, ``image_grids`` ``[rows, cols, 0, 0]``), the
     tokens ``<low_res_im_start> (<im_patch> x cols <im_col>) x rows <im_end>`` before the text, and
     ``mm_token_type_ids`` 1 at every one of those (training requires it). ``<im_col>`` is an added token too."""
-    import conformance
     import torch
 
-    vision, rows = config.vision_config, conformance.BATCH
+    vision, rows = config.vision_config, tiny.BATCH
     side, pool = vision.image_size[0] // vision.patch_size, 2
     pixels = torch.randn(rows, side * side, vision.patch_size**2 * 3, generator=torch.Generator().manual_seed(2))
     cells = side // pool
@@ -252,15 +248,14 @@ def _perception_encoder_tower(config):
     with ``model_args``: width, depth, image size, the rope's reference grid, no pooling or final norm); the default
     config names a ResNet-50 without them, and the projector reads ``model_args["embed_dim"]``. Here the released
     architecture at the sweep's sizes, on 112-pixel images (8 x 8 patches of 14; the released 448 make 32 x 32)."""
-    import conformance
 
     side = 8
     vision = config.vision_config
     vision.architecture = "vit_pe_core_large_patch14_336"
     vision.model_args = {
-        "embed_dim": conformance.SIZE_KEYS["hidden_size"],
-        "depth": conformance.LAYERS,
-        "num_heads": conformance.SIZE_KEYS["num_attention_heads"],
+        "embed_dim": tiny.SIZE_KEYS["hidden_size"],
+        "depth": tiny.LAYERS,
+        "num_heads": tiny.SIZE_KEYS["num_attention_heads"],
         "img_size": (14 * side, 14 * side),
         "ref_feat_shape": (side, side),
         "global_pool": "",
@@ -273,11 +268,10 @@ def _perception_encoder_tower(config):
 def _perception_lm_batch(model, config, batch):
     """``PerceptionLMProcessor``'s batch: each image as its tiles, ``[batch, tiles, C, H, W]`` (here one tile, the
     thumbnail), and one ``<image>`` token per feature the projector makes of it."""
-    import conformance
     import torch
 
     side = config.vision_config.model_args["img_size"][0]
-    pixels = torch.randn(conformance.BATCH, 1, 3, side, side, generator=torch.Generator().manual_seed(2))
+    pixels = torch.randn(tiny.BATCH, 1, 3, side, side, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         count = model.model.get_image_features(pixels).pooler_output.shape[1]
     framed = before_text(batch["input_ids"], [config.image_token_id] * count)

@@ -1,7 +1,7 @@
 """What one model type needs that the sweep's generic tiny config and batch cannot guess.
 
-The conformance sweep (``benchmarks/conformance.py``) builds every model type from its default config shrunk by
-name (:func:`conformance.shrink`) and a batch of the kind its mapping trains on. Some types need more: a size
+The conformance sweep (``benchmarks/conformance/``) builds every model type from its default config shrunk by
+name (:func:`tiny.shrink`) and a batch of the kind its mapping trains on. Some types need more: a size
 that must divide another, a sub-config the defaults leave empty, an input their forward requires (a bounding
 box, a robot state, the Q-Former's own tokens). transformers' own tests answer the same need with one
 hand-written tester per model; here each type's needs are one registered function, named for what the model

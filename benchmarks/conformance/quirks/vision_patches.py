@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import media_batches, tiny
 from .registry import batch_fix, config_fix
 
 # ---- helpers -----------------------------------------------------------------------------------------------
@@ -28,10 +29,9 @@ def _image_rows(model: Any, config: Any, span: list[int], token: int, text: Any 
     them, ``mm_token_type_ids`` marking the placeholders (1), as ``ProcessorMixin.create_mm_token_type_ids`` does."""
     import inspect
 
-    import conformance
     import torch
 
-    text = conformance.token_sampler(config)(conformance.SEQ) if text is None else text
+    text = tiny.token_sampler(config)(tiny.SEQ) if text is None else text
     image = torch.tensor(span, dtype=text.dtype).expand(text.shape[0], -1)
     input_ids = torch.cat([text[:, :2], image, text[:, 2:]], dim=1)
     labels = input_ids.clone()
@@ -52,9 +52,8 @@ def _grid(rows: int, columns: int) -> Any:
 
 def _tiny_vision(vision: Any) -> Any:
     """A default vision sub-config shrunk as the sweep shrinks every config, attention as the rest of the model's."""
-    import conformance
 
-    conformance.shrink(vision, sizes=True)
+    tiny.shrink(vision, sizes=True)
     vision._attn_implementation = "eager"
     return vision
 
@@ -76,9 +75,8 @@ def _gemma4_batch(model, config, batch):
     """``Gemma4Processor``'s batch for a 192-pixel image: 12x12 patches of 16 pixels, flattened
     (``[batch, patches, 3 * 16 * 16]``), their ``(x, y)`` ``image_position_ids``, and ``<boi>`` + one ``<image>``
     per 3x3 pooled patch (16) + ``<eoi>`` in the text."""
-    import conformance
 
-    vision, side, rows = config.vision_config, 12, conformance.BATCH
+    vision, side, rows = config.vision_config, 12, tiny.BATCH
     tokens = (side // vision.pooling_kernel_size) ** 2
     span = [config.boi_token_id] + [config.image_token_id] * tokens + [config.eoi_token_id]
     return {
@@ -105,9 +103,8 @@ def _gemma4_unified_batch(model, config, batch):
     """``Gemma4UnifiedProcessor``'s batch for a 192-pixel image: 4x4 model patches of 48 pixels (3x3 merged
     16-pixel patches), flattened, their ``image_position_ids``, and ``<boi>`` + one ``<image>`` per model patch +
     ``<eoi>``."""
-    import conformance
 
-    vision, side, rows = config.vision_config, 4, conformance.BATCH
+    vision, side, rows = config.vision_config, 4, tiny.BATCH
     span = [config.boi_token_id] + [config.image_token_id] * side * side + [config.eoi_token_id]
     return {
         **_image_rows(model, config, span, config.image_token_id),
@@ -135,14 +132,13 @@ def _t5gemma2_encoder_reads_the_image_tokens(config):
 def _t5gemma2_batch(model, config, batch):
     """``Gemma3Processor``'s batch (T5Gemma 2 uses it): the image, and ``<start_of_image>`` + ``mm_tokens_per_image``
     image tokens + ``<end_of_image>`` in the encoder's text; the decoder's ``labels`` are the batch's."""
-    import conformance
 
     encoder = config.encoder
     span = [encoder.boi_token_index] + [encoder.image_token_index] * encoder.mm_tokens_per_image
     span += [encoder.eoi_token_index]
     rows = _image_rows(model, config, span, encoder.image_token_index, batch["input_ids"])
     vision = encoder.vision_config
-    pixels = _randn(conformance.BATCH, vision.num_channels, vision.image_size, vision.image_size)
+    pixels = _randn(tiny.BATCH, vision.num_channels, vision.image_size, vision.image_size)
     return {"input_ids": rows["input_ids"], "labels": batch["labels"], "pixel_values": pixels}
 
 
@@ -174,10 +170,9 @@ def _kimi_k25_batch(model, config, batch):
     """``Kimi_K25Processor``'s batch for a 112-pixel image: 8x8 patches of 14 pixels as ``[patches, 3, 14, 14]``,
     ``image_grid_thw`` ``[1, 8, 8]``, and one ``<|media_pad|>`` per 2x2 merged patch (16) between the begin/end
     tokens the chat template puts around it (``vision_start_token_id`` / ``vision_end_token_id``)."""
-    import conformance
     import torch
 
-    vision, side, rows = config.vision_config, 8, conformance.BATCH
+    vision, side, rows = config.vision_config, 8, tiny.BATCH
     tokens = side * side // (vision.merge_kernel_size[0] * vision.merge_kernel_size[1])
     span = [config.vision_start_token_id] + [config.image_token_id] * tokens + [config.vision_end_token_id]
     return {
@@ -193,10 +188,9 @@ def _paddleocr_vl_batch(model, config, batch):
     ``image_grid_thw`` ``[1, 8, 8]``, one image token per 2x2 merged patch (16) between the chat template's
     begin/end tokens (``vision_start_token_id`` / ``vision_end_token_id``), and the ``mm_token_type_ids`` its
     M-RoPE reads."""
-    import conformance
     import torch
 
-    vision, side, rows = config.vision_config, 8, conformance.BATCH
+    vision, side, rows = config.vision_config, 8, tiny.BATCH
     tokens = side * side // vision.spatial_merge_size**2
     span = [config.vision_start_token_id] + [config.image_token_id] * tokens + [config.vision_end_token_id]
     return {
@@ -211,11 +205,9 @@ def _ovis2_5_batch(model, config, batch):
     """The generic image batch (Qwen-style flattened patches and grid), with the image's placeholders between the
     start/end tokens (``image_start_token_id`` / ``image_end_token_id``) as ``Ovis2_5Processor`` puts them: the
     model gives those two tokens the visual indicator embeddings and checks one pair per image."""
-    import conformance
-    import media_batches
 
-    ids, token = conformance.token_sampler(config), config.image_token_id
-    media = media_batches.image_batch(model, config, ids, conformance.SEQ, conformance.BATCH)
+    ids, token = tiny.token_sampler(config), config.image_token_id
+    media = media_batches.image_batch(model, config, ids, tiny.SEQ, tiny.BATCH)
     text = media["input_ids"]
     span = [config.image_start_token_id] + [token] * int((text[0] == token).sum()) + [config.image_end_token_id]
     plain = text[text != token].view(text.shape[0], -1)
@@ -230,10 +222,9 @@ def _inkling2_batch(model, config, batch):
     """``Inkling2ImageProcessor``'s batch for a 160-pixel image: one ``[40, 40, 3]`` tile (2x2 patches of 20 pixels)
     per language-model image token, 4x4 of them (``image_grid_thw`` ``[1, 4, 4]``, counted in those tokens), and
     one ``<image>`` per tile (``Inkling2Processor`` adds no begin/end tokens)."""
-    import conformance
     import torch
 
-    vision, side, rows = config.vision_config, 4, conformance.BATCH
+    vision, side, rows = config.vision_config, 4, tiny.BATCH
     tile = vision.patch_size * vision.spatial_merge_size
     span = [config.image_token_id] * side * side
     return {
@@ -248,9 +239,8 @@ def _inkling_batch(model, config, batch):
     """``InklingImageProcessor``'s batch for a 160-pixel image: 4x4 patches of 40 pixels, each repeated over the
     ``temporal_patch_size`` (2) frames, ``[patches, 2, 40, 40, 3]``; one ``<image>`` per patch after the chat
     template's ``<|content_image|>`` (``image_bos_token_id``)."""
-    import conformance
 
-    vision, patches, rows = config.vision_config, 16, conformance.BATCH
+    vision, patches, rows = config.vision_config, 16, tiny.BATCH
     size = vision.patch_size
     span = [config.image_bos_token_id] + [config.image_token_id] * patches
     frames = _randn(rows * patches, 1, size, size, vision.num_channels).expand(
@@ -280,9 +270,8 @@ def _unlimited_ocr_batch(model, config, batch):
     """``UnlimitedOcrProcessor``'s batch for an image no larger than one view (no local tiles): the global view at
     the SAM tower's size, and its image tokens: ``q`` rows of ``q`` features and a newline, and the view separator,
     ``q = size / patch / 4`` (the two stride-2 downsamples)."""
-    import conformance
 
-    sam, rows = config.vision_config.sam_config, conformance.BATCH
+    sam, rows = config.vision_config.sam_config, tiny.BATCH
     queries = sam.image_size // sam.patch_size // 4
     span = [config.image_token_id] * (queries * (queries + 1) + 1)
     pixels = _randn(rows, sam.num_channels, sam.image_size, sam.image_size)
@@ -302,9 +291,8 @@ def _deepseek_vl_hybrid_batch(model, config, batch):
     """``DeepseekVLHybridImageProcessor``'s batch: each image at the SigLIP tower's size (``pixel_values``) and at
     the SAM tower's (``high_res_pixel_values``), and one ``<image_placeholder>`` per SigLIP patch (the processor's
     ``num_image_tokens``, 576 for the released 384-pixel tower)."""
-    import conformance
 
-    low, high, rows = config.vision_config, config.high_res_vision_config, conformance.BATCH
+    low, high, rows = config.vision_config, config.high_res_vision_config, tiny.BATCH
     span = [config.image_token_id] * (low.image_size // low.patch_size) ** 2
     return {
         **_image_rows(model, config, span, config.image_token_id),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import tiny
 from .registry import batch_fix, config_fix
 
 
@@ -20,10 +21,9 @@ def _kyutai_text_and_audio_code_streams(model, config, batch):
     """Kyutai STT reads one text token and one Mimi code per codebook per frame (``input_ids`` [B, T, 1 +
     codebooks], as its ``generate`` lays them out from the codec's ``encode`` of the audio: the audio BOS first),
     and predicts the text stream."""
-    import conformance
     import torch
 
-    text = conformance.token_sampler(config)(conformance.SEQ)
+    text = tiny.token_sampler(config)(tiny.SEQ)
     generator = torch.Generator().manual_seed(2)
     codes = torch.randint(config.codebook_vocab_size - 1, (*text.shape, config.num_codebooks), generator=generator)
     codes[:, 0] = config.audio_bos_token_id
@@ -41,12 +41,11 @@ def _moonshine_decoder_key_value_heads(config):
 def _parakeet_frames_of_encoder_mels(model, config, batch):
     """The Parakeet encoder reads ``input_features`` [B, frames, mels] with the encoder config's mel bins (128
     released), as the Parakeet feature extractor gives them; the top config names no mel bins for the sweep."""
-    import conformance
     import torch
 
     mels = config.encoder_config.num_mel_bins
     generator = torch.Generator().manual_seed(1)
-    features = torch.randn(conformance.BATCH, conformance.SOURCE, mels, generator=generator)
+    features = torch.randn(tiny.BATCH, tiny.SOURCE, mels, generator=generator)
     return {"input_features": features, "labels": batch["labels"]}
 
 
@@ -54,11 +53,10 @@ def _parakeet_frames_of_encoder_mels(model, config, batch):
 def _seamless_stacked_frames(model, config, batch):
     """The SeamlessM4T feature extractor stacks pairs of 80-bin frames (``stride`` 2): ``input_features``
     [B, frames / 2, 160], the speech encoder's ``feature_projection_input_dim``."""
-    import conformance
     import torch
 
     generator = torch.Generator().manual_seed(1)
-    shape = (conformance.BATCH, conformance.SOURCE // 2, config.feature_projection_input_dim)
+    shape = (tiny.BATCH, tiny.SOURCE // 2, config.feature_projection_input_dim)
     return {"input_features": torch.randn(*shape, generator=generator), "labels": batch["labels"]}
 
 
@@ -83,10 +81,9 @@ def _nemotron_transcribe_layer_kinds_and_widths(config):
 def _voxtral_realtime_audio_under_every_token(model, config, batch):
     """Voxtral Realtime adds one audio frame's embedding to every text token: its processor gives the text with
     ``input_features`` [B, mels, tokens x ``audio_length_per_tok``] and ``num_delay_tokens``."""
-    import conformance
     import torch
 
-    text = conformance.token_sampler(config)(conformance.SEQ)
+    text = tiny.token_sampler(config)(tiny.SEQ)
     frames = text.shape[1] * config.audio_length_per_tok
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(text.shape[0], config.audio_config.num_mel_bins, frames, generator=generator)
@@ -107,7 +104,6 @@ def _dia_text_and_delayed_audio_codes(model, config, batch):
     by the Dia processor for training (``output_labels``): BOS and EOS frames around the codes, each channel
     delayed by ``delay_pattern``, labels the next frame per channel ([B x channels, frames]) with BOS and PAD
     ignored."""
-    import conformance
     import torch
     from transformers.models.dia.processing_dia import DiaProcessor
 
@@ -115,18 +111,18 @@ def _dia_text_and_delayed_audio_codes(model, config, batch):
     bos, eos, pad = decoder.bos_token_id, decoder.eos_token_id, decoder.pad_token_id
     channels, delays = decoder.num_channels, config.delay_pattern
     generator = torch.Generator().manual_seed(1)
-    text = torch.randint(1, config.encoder_config.vocab_size, (conformance.BATCH, conformance.SEQ), generator=generator)
-    frames = conformance.TARGET - 2 - max(delays)  # the processor's sequence: BOS, codes, EOS, then the delay
-    codes = torch.randint(min(bos, eos, pad), (conformance.BATCH, frames, channels), generator=generator)
+    text = torch.randint(1, config.encoder_config.vocab_size, (tiny.BATCH, tiny.SEQ), generator=generator)
+    frames = tiny.TARGET - 2 - max(delays)  # the processor's sequence: BOS, codes, EOS, then the delay
+    codes = torch.randint(min(bos, eos, pad), (tiny.BATCH, frames, channels), generator=generator)
     codes = torch.cat([torch.full_like(codes[:, :1], bos), codes, torch.full_like(codes[:, :1], eos)], dim=1)
     length = codes.shape[1] + max(delays)
-    audio = torch.full((conformance.BATCH, length, channels), pad)
+    audio = torch.full((tiny.BATCH, length, channels), pad)
     audio[:, : codes.shape[1]] = codes
-    indices = DiaProcessor.build_indices(conformance.BATCH, length, channels, delays, revert=False)
+    indices = DiaProcessor.build_indices(tiny.BATCH, length, channels, delays, revert=False)
     delayed = DiaProcessor.apply_audio_delay(audio, pad, bos, indices)
     labels = delayed[:, 1:].clone()
     labels[(labels == pad) | (labels == bos)] = -100
-    labels = labels.transpose(1, 2).reshape(conformance.BATCH * channels, -1).contiguous()
+    labels = labels.transpose(1, 2).reshape(tiny.BATCH * channels, -1).contiguous()
     return {"input_ids": text, "decoder_input_ids": delayed[:, :-1], "labels": labels}
 
 
@@ -134,11 +130,10 @@ def _dia_text_and_delayed_audio_codes(model, config, batch):
 def _pop2piano_mel_frames_of_model_width(model, config, batch):
     """Pop2Piano's encoder takes the log-mel frames as its embeddings: ``input_features`` [B, frames, mels], the
     feature extractor's mel bins equal to ``d_model`` (512 both, released); its ``input_ids`` are not audio."""
-    import conformance
     import torch
 
     generator = torch.Generator().manual_seed(1)
-    features = torch.randn(conformance.BATCH, conformance.SOURCE, config.d_model, generator=generator)
+    features = torch.randn(tiny.BATCH, tiny.SOURCE, config.d_model, generator=generator)
     return {"input_features": features, "labels": batch["labels"]}
 
 
@@ -147,18 +142,17 @@ def _nemotron_transcribe_audio_in_the_prompt(model, config, batch):
     """Nemotron 3.5 Transcribe reads ``input_features`` [B, frames, mels] (frames a multiple of the encoder's
     ``subsampling_factor``) with their ``input_features_mask``, and one ``audio_token_id`` placeholder in the text
     per encoder frame, as its processor builds them."""
-    import conformance
     import torch
 
     audio = config.audio_config
-    frames = conformance.SOURCE - conformance.SOURCE % audio.subsampling_factor
+    frames = tiny.SOURCE - tiny.SOURCE % audio.subsampling_factor
     generator = torch.Generator().manual_seed(3)
-    features = torch.randn(conformance.BATCH, frames, audio.asr_config.num_mel_bins, generator=generator)
+    features = torch.randn(tiny.BATCH, frames, audio.asr_config.num_mel_bins, generator=generator)
     mask = torch.ones(features.shape[:2], dtype=torch.long)
     with torch.no_grad():
-        count = model.model.get_audio_features(features, mask).pooler_output.shape[0] // conformance.BATCH
-    text = conformance.token_sampler(config)(conformance.SEQ)
-    placeholders = torch.full((conformance.BATCH, count), config.audio_token_id, dtype=text.dtype)
+        count = model.model.get_audio_features(features, mask).pooler_output.shape[0] // tiny.BATCH
+    text = tiny.token_sampler(config)(tiny.SEQ)
+    placeholders = torch.full((tiny.BATCH, count), config.audio_token_id, dtype=text.dtype)
     input_ids = torch.cat([text[:, :2], placeholders, text[:, 2:]], dim=1)
     labels = input_ids.masked_fill(input_ids == config.audio_token_id, -100)
     return {"input_ids": input_ids, "input_features": features, "input_features_mask": mask, "labels": labels}

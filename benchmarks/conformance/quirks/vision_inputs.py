@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import tiny
 from .registry import batch_fix, checkpointing_fix, config_fix
 from .tokens import before_text, free_ids
 
@@ -43,9 +44,8 @@ def _blip_text_attends_to_the_vision_width(config):
 @batch_fix("blip", kind="image")
 def _blip_caption_batch(model, config, batch):
     """``BlipProcessor``'s batch: one image and its caption; the caption is also the labels."""
-    import conformance
 
-    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    pixels = random_pixels(config.vision_config, tiny.BATCH)
     return {"pixel_values": pixels, "input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
 
 
@@ -67,23 +67,21 @@ def _qformer_attends_to_the_vision_width(config):
 @batch_fix("blip-2", kind="image")
 def _blip2_batch(model, config, batch):
     """``Blip2Processor``'s batch: one image, ``num_query_tokens`` image tokens before the text."""
-    import conformance
 
     framed = before_text(batch["input_ids"], [config.image_token_index] * config.num_query_tokens)
-    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    pixels = random_pixels(config.vision_config, tiny.BATCH)
     return {"pixel_values": pixels, **framed}
 
 
 def _instructblip_batch(config, token: int, frames: int | None) -> dict:
     """``InstructBlip(Video)Processor``'s batch: the prompt twice, in the Q-Former's vocabulary and in the
     language model's after ``num_query_tokens`` placeholders per image (per frame of a video)."""
-    import conformance
 
-    text = conformance.token_sampler(config)(conformance.SEQ)
-    qformer_ids = conformance.token_sampler(config.qformer_config)(conformance.SEQ // 2)
+    text = tiny.token_sampler(config)(tiny.SEQ)
+    qformer_ids = tiny.token_sampler(config.qformer_config)(tiny.SEQ // 2)
     count = config.num_query_tokens * (frames or 1)
     framed = before_text(text, [token] * count)
-    lead = (conformance.BATCH, frames) if frames else (conformance.BATCH,)
+    lead = (tiny.BATCH, frames) if frames else (tiny.BATCH,)
     return {
         "pixel_values": random_pixels(config.vision_config, *lead),
         "qformer_input_ids": qformer_ids,
@@ -111,7 +109,6 @@ def _kosmos2_batch(model, config, batch):
     """``Kosmos2Processor``'s batch: ``<s> <image> [latent_query_num placeholders] </image>`` before the text,
     and ``image_embeds_position_mask`` marking the placeholders the image's latent queries replace (the tokenizer's
     ``<image>``/``</image>`` are added tokens: here two ids no special token holds)."""
-    import conformance
     import torch
 
     queries = config.latent_query_num
@@ -121,7 +118,7 @@ def _kosmos2_batch(model, config, batch):
     mask = torch.zeros_like(input_ids)
     mask[:, 2 : 2 + queries] = 1
     return {
-        "pixel_values": random_pixels(config.vision_config, conformance.BATCH),
+        "pixel_values": random_pixels(config.vision_config, tiny.BATCH),
         "input_ids": input_ids,
         "image_embeds_position_mask": mask,
         "labels": input_ids.masked_fill(mask.bool(), -100),
@@ -134,7 +131,6 @@ def _idefics_batch(model, config, batch):
     the images as ``[batch, images, C, H, W]``, and ``image_attention_mask`` ``[batch, seq, images]``: 1 from the
     ``<image>`` token on (the tokens that cross-attend to it). Both tokens are the tokenizer's added ones: here two
     ids no special token holds."""
-    import conformance
     import torch
 
     image, fake = free_ids(config, 2)
@@ -142,7 +138,7 @@ def _idefics_batch(model, config, batch):
     attends = torch.ones(*framed["input_ids"].shape, 1, dtype=torch.long)
     attends[:, 0] = 0
     return {
-        "pixel_values": random_pixels(config.vision_config, conformance.BATCH, 1),
+        "pixel_values": random_pixels(config.vision_config, tiny.BATCH, 1),
         "input_ids": framed["input_ids"],
         "image_attention_mask": attends,
         "labels": framed["labels"],
@@ -153,9 +149,8 @@ def _idefics_batch(model, config, batch):
 def _image_to_text_batch(model, config, batch):
     """An image encoder and a text decoder (TrOCR, Donut, ViT-GPT2 captioners): the image processor's
     ``pixel_values`` and the caption as labels, which the model shifts into the decoder's inputs."""
-    import conformance
 
-    return {"pixel_values": random_pixels(config.encoder, conformance.BATCH), "labels": batch["labels"]}
+    return {"pixel_values": random_pixels(config.encoder, tiny.BATCH), "labels": batch["labels"]}
 
 
 @config_fix("pp_formulanet")
@@ -176,9 +171,8 @@ def _formulanet_widths_chain(config):
 def _formulanet_batch(model, config, batch):
     """The image processor's ``pixel_values`` and the formula's tokens: the model shifts ``input_ids`` right into
     the decoder's inputs and scores ``labels`` position by position."""
-    import conformance
 
-    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    pixels = random_pixels(config.vision_config, tiny.BATCH)
     return {"pixel_values": pixels, "input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
 
 
@@ -196,14 +190,13 @@ def _word_boxes(batch: int, seq: int) -> Any:
 def _udop_document_batch(model, config, batch):
     """``UdopProcessor``'s batch: the page image, its OCR words' ids and their ``bbox`` (the encoder's 2-D relative
     position biases need them), and the target text as labels."""
-    import conformance
 
     text = batch["input_ids"]
     return {
-        "pixel_values": random_pixels(config, conformance.BATCH),
+        "pixel_values": random_pixels(config, tiny.BATCH),
         "input_ids": text,
         "bbox": _word_boxes(*text.shape),
-        "labels": conformance.token_sampler(config)(conformance.TARGET),
+        "labels": tiny.token_sampler(config)(tiny.TARGET),
     }
 
 
@@ -216,12 +209,11 @@ def _policy_batch(config, batch: dict) -> dict:
     draws (given here so that every run sees the same). transformers 5.25 cannot train these checkpointed: the
     prefix reaches the action expert only as a KV cache, which checkpointing turns off (``use_cache=False``), so
     the step fails on a None cache; the row stays skipped with that reason."""
-    import conformance
     import torch
 
     vlm, vision = config.vlm_config, config.vlm_config.vision_config
     generator = torch.Generator().manual_seed(5)
-    rows = conformance.BATCH
+    rows = tiny.BATCH
     head = [vlm.image_token_id] * (vision.image_size // vision.patch_size) ** 2 + [vlm.text_config.bos_token_id]
     input_ids = before_text(batch["input_ids"], head)["input_ids"]
     chunk = (rows, config.chunk_size, config.max_action_dim)
@@ -255,10 +247,9 @@ def _checkpoint_the_vision_tower(model):
 @batch_fix("pi0", kind="image+robot")
 def _pi0_batch(model, config, batch):
     """PI0 also reads the robot's ``state`` (padded to ``max_state_dim``) as the action expert's first token."""
-    import conformance
     import torch
 
-    state = torch.randn(conformance.BATCH, config.max_state_dim, generator=torch.Generator().manual_seed(6))
+    state = torch.randn(tiny.BATCH, config.max_state_dim, generator=torch.Generator().manual_seed(6))
     return {**_policy_batch(config, batch), "state": state}
 
 

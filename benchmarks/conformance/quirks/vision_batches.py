@@ -1,8 +1,9 @@
 """Image batches for the sweep's image models whose processor shapes the images or the tokens in a way the generic
-batch (:func:`media_batches.image_batch`) cannot guess (see :mod:`quirks`)."""
+batch (:func:`media_batches.image_batch`) cannot guess (see :mod:`.quirks`)."""
 
 from __future__ import annotations
 
+from .. import media_batches, tiny
 from .registry import batch_fix, config_fix
 from .tokens import before_text, free_ids
 from .vision_inputs import random_pixels, small_images
@@ -21,7 +22,6 @@ def _paligemma_projects_to_the_text_width(config):
 def _paligemma_batch(model, config, batch):
     """``PaliGemmaProcessor``'s batch with a suffix: ``image_seq_length`` image tokens, ``<bos>``, the prefix, then
     the suffix; ``token_type_ids`` 0 on the prefix (attended both ways) and 1 on the suffix, the only labels."""
-    import conformance
     import torch
 
     vision = config.vision_config
@@ -29,9 +29,9 @@ def _paligemma_batch(model, config, batch):
     head = [config.image_token_id] * count + [config.text_config.bos_token_id]
     input_ids = before_text(batch["input_ids"], head)["input_ids"]
     types = torch.zeros_like(input_ids)
-    types[:, len(head) + conformance.SEQ // 2 :] = 1  # the second half of the text is the suffix
+    types[:, len(head) + tiny.SEQ // 2 :] = 1  # the second half of the text is the suffix
     return {
-        "pixel_values": random_pixels(vision, conformance.BATCH),
+        "pixel_values": random_pixels(vision, tiny.BATCH),
         "input_ids": input_ids,
         "token_type_ids": types,
         "labels": input_ids.masked_fill(types == 0, -100),
@@ -59,13 +59,12 @@ def _idefics3_batch(model, config, batch):
     ``<fake_token_around_image> <global-img> [image_seq_len <image>] <fake_token_around_image>`` before the text,
     the images as ``[batch, images, C, H, W]`` and ``pixel_attention_mask`` (``[batch, images, H, W]``, all
     pixels real). The two tags are the tokenizer's added tokens: here ids no special token holds."""
-    import conformance
     import torch
 
     vision = config.vision_config
     count = (vision.image_size // vision.patch_size // config.scale_factor) ** 2
     fake, glob = free_ids(config, 2)
-    pixels = random_pixels(vision, conformance.BATCH, 1)
+    pixels = random_pixels(vision, tiny.BATCH, 1)
     return {
         "pixel_values": pixels,
         "pixel_attention_mask": torch.ones(*pixels.shape[:2], *pixels.shape[-2:], dtype=torch.bool),
@@ -98,24 +97,22 @@ def _aya_vision_batch(model, config, batch):
     """``AyaVisionProcessor``'s batch for an image of one tile (the global one): ``<|START_OF_IMG|> TILE_GLOBAL
     [<|IMG_PATCH|> per token] <|END_OF_IMG|>`` before the text (the tags are added tokens, ``TILE_GLOBAL`` plain
     text: one id each here, none a special token's)."""
-    import conformance
 
     start, tile, end = free_ids(config, 3)
     count = _shuffled_tokens(config)
     framed = before_text(batch["input_ids"], [start, tile, *[config.image_token_index] * count, end])
-    return {"pixel_values": random_pixels(config.vision_config, conformance.BATCH), **framed}
+    return {"pixel_values": random_pixels(config.vision_config, tiny.BATCH), **framed}
 
 
 @batch_fix("cohere2_vision", kind="image")
 def _cohere2_vision_batch(model, config, batch):
     """``Cohere2VisionProcessor``'s batch for an image of one tile: ``<boi> [<image> per token] <line break> <eoi>``
     before the text (the tags are the tokenizer's added tokens: here ids no special token holds)."""
-    import conformance
 
     boi, line, eoi = free_ids(config, 3)
     head = [boi, *[config.image_token_id] * _shuffled_tokens(config), line, eoi]
     framed = before_text(batch["input_ids"], head)
-    return {"pixel_values": random_pixels(config.vision_config, conformance.BATCH), **framed}
+    return {"pixel_values": random_pixels(config.vision_config, tiny.BATCH), **framed}
 
 
 # ---- LLaVA-OneVision: any-resolution tiles -------------------------------------------------------------------
@@ -139,15 +136,13 @@ def _llava_onevision_batch(model, config, batch):
     (the whole image, then its one grid tile), ``image_sizes``, ``batch_num_images`` and one ``<image>`` per feature
     (the grid's unpadded features, a newline per row, the base image's), counted by the model as the processor's
     formula does."""
-    import conformance
-    import media_batches
     import torch
 
     vision = config.vision_config
-    pixels = random_pixels(vision, conformance.BATCH, 2)
+    pixels = random_pixels(vision, tiny.BATCH, 2)
     extra = {
-        "image_sizes": torch.tensor([[vision.image_size, vision.image_size]] * conformance.BATCH),
-        "batch_num_images": torch.ones(conformance.BATCH, dtype=torch.long),
+        "image_sizes": torch.tensor([[vision.image_size, vision.image_size]] * tiny.BATCH),
+        "batch_num_images": torch.ones(tiny.BATCH, dtype=torch.long),
     }
     with torch.no_grad():
         features = model.model.get_image_features(
@@ -157,7 +152,7 @@ def _llava_onevision_batch(model, config, batch):
             vision_aspect_ratio=config.vision_aspect_ratio,
             **extra,
         )
-    count = media_batches._count(features) // conformance.BATCH
+    count = media_batches._count(features) // tiny.BATCH
     framed = before_text(batch["input_ids"], [config.image_token_index] * count)
     return {"pixel_values": pixels, **extra, **framed}
 
@@ -182,10 +177,9 @@ def _aria_queries_for_the_tiny_image(config):
 def _aria_batch(model, config, batch):
     """``AriaProcessor``'s batch for one uncropped image: one ``<|img|>`` per query (the processor's
     ``size_conversion`` of the image size), ``pixel_values`` and ``pixel_mask`` (every pixel real)."""
-    import conformance
     import torch
 
-    pixels = random_pixels(config.vision_config, conformance.BATCH)
+    pixels = random_pixels(config.vision_config, tiny.BATCH)
     framed = before_text(batch["input_ids"], [config.image_token_id] * ARIA_QUERIES)
     mask = torch.ones(pixels.shape[0], *pixels.shape[-2:], dtype=torch.bool)
     return {"pixel_values": pixels, "pixel_mask": mask, **framed}
@@ -209,12 +203,11 @@ def _janus_aligners_project_to_the_text_width(config):
 def _janus_batch(model, config, batch):
     """``JanusProcessor``'s batch: ``<begin_of_image> [num_image_tokens <image_placeholder>] <end_of_image>`` before
     the text (the tags are the tokenizer's added tokens: here ids no special token holds)."""
-    import conformance
 
     boi, eoi = free_ids(config, 2)
     vision = config.vision_config
     framed = before_text(batch["input_ids"], [boi, *[config.image_token_id] * vision.num_image_tokens, eoi])
-    return {"pixel_values": random_pixels(vision, conformance.BATCH), **framed}
+    return {"pixel_values": random_pixels(vision, tiny.BATCH), **framed}
 
 
 # ---- Florence-2 --------------------------------------------------------------------------------------------------
@@ -240,18 +233,15 @@ def _florence2_batch(model, config, batch):
     """``Florence2Processor``'s batch: the encoder reads one ``<image>`` per image feature (the spatial grid's, then
     one for the temporal mean: ``image_seq_length`` 577 at 768 pixels), ``<bos>``, the prompt and ``<eos>``; the
     answer is the labels, shifted into the decoder's inputs by the model."""
-    import conformance
     import torch
 
-    text, ids = config.text_config, conformance.token_sampler(config)
+    text, ids = config.text_config, tiny.token_sampler(config)
     count = (FLORENCE_IMAGE // 32) ** 2 + 1
-    prompt = ids(conformance.SEQ // 2)
+    prompt = ids(tiny.SEQ // 2)
     prompt = torch.cat([prompt, torch.full_like(prompt[:, :1], text.eos_token_id)], dim=1)
     input_ids = before_text(prompt, [config.image_token_id] * count + [text.bos_token_id])["input_ids"]
-    pixels = torch.randn(
-        conformance.BATCH, 3, FLORENCE_IMAGE, FLORENCE_IMAGE, generator=torch.Generator().manual_seed(2)
-    )
-    return {"pixel_values": pixels, "input_ids": input_ids, "labels": ids(conformance.TARGET)}
+    pixels = torch.randn(tiny.BATCH, 3, FLORENCE_IMAGE, FLORENCE_IMAGE, generator=torch.Generator().manual_seed(2))
+    return {"pixel_values": pixels, "input_ids": input_ids, "labels": ids(tiny.TARGET)}
 
 
 # ---- VipLLaVA ----------------------------------------------------------------------------------------------------
@@ -275,12 +265,11 @@ def _vipllava_taps_within_the_tower(config):
 @batch_fix("vipllava", kind="image")
 def _vipllava_batch(model, config, batch):
     """``LlavaProcessor``'s batch: one ``<image>`` per patch (the CLS state is dropped) before the text."""
-    import conformance
 
     vision = config.vision_config
     count = (vision.image_size // vision.patch_size) ** 2
     framed = before_text(batch["input_ids"], [config.image_token_index] * count)
-    return {"pixel_values": random_pixels(vision, conformance.BATCH), **framed}
+    return {"pixel_values": random_pixels(vision, tiny.BATCH), **framed}
 
 
 # ---- Apertus 1.5: images as discrete codes of the shared vocabulary ----------------------------------------------
@@ -309,18 +298,17 @@ def _apertus_batch(model, config, batch):
     """``Apertus1p5Processor``'s batch for a 128-pixel image: ``<boi> 8*8 <image wrapper>``, the 8 rows of 8
     ``<|image|>`` joined by ``<eol>``, ``<eoi>``, before the text; ``image_sizes``. The tags are the tokenizer's added
     tokens (here ids no special token holds); the size header is text."""
-    import conformance
     import torch
 
     side = APERTUS_IMAGE // 16
     boi, wrapper, eol, eoi = free_ids(config, 4)
-    header = conformance.token_sampler(config)(3)[0].tolist()
+    header = tiny.token_sampler(config)(3)[0].tolist()
     rows = ([config.image_token_id] * side + [eol]) * side
     framed = before_text(batch["input_ids"], [boi, *header, wrapper, *rows[:-1], eoi])
-    pixels = torch.rand(conformance.BATCH, 3, APERTUS_IMAGE, APERTUS_IMAGE, generator=torch.Generator().manual_seed(2))
+    pixels = torch.rand(tiny.BATCH, 3, APERTUS_IMAGE, APERTUS_IMAGE, generator=torch.Generator().manual_seed(2))
     return {
         "pixel_values": pixels * 2 - 1,  # the processor's [-1, 1]
-        "image_sizes": torch.tensor([[APERTUS_IMAGE, APERTUS_IMAGE]] * conformance.BATCH),
+        "image_sizes": torch.tensor([[APERTUS_IMAGE, APERTUS_IMAGE]] * tiny.BATCH),
         **framed,
     }
 
@@ -333,7 +321,6 @@ def _fuyu_batch(model, config, batch):
     """``FuyuProcessor``'s batch for one ``image_size`` image: no vision tower, each patch's raw pixels
     (``[batch, patches, patch x patch x channels]``) linearly projected onto one ``|SPEAKER|`` token; each row of
     patches ends with ``|NEWLINE|`` (a text token: here an id no special token holds), then ``<s>`` and the text."""
-    import conformance
     import torch
 
     side = config.image_size // config.patch_size
@@ -341,5 +328,5 @@ def _fuyu_batch(model, config, batch):
     rows = ([config.image_token_id] * side + [newline]) * side
     framed = before_text(batch["input_ids"], [*rows, config.text_config.bos_token_id])
     width = config.patch_size**2 * config.num_channels
-    patches = torch.randn(conformance.BATCH, side * side, width, generator=torch.Generator().manual_seed(2))
+    patches = torch.randn(tiny.BATCH, side * side, width, generator=torch.Generator().manual_seed(2))
     return {"pixel_values": patches, **framed}
