@@ -356,10 +356,20 @@ _ALLOWED = {
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}  # field annotations are strings here
 
 
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+_GIVEN = {**_KINDS, float: "a float"}
+
+
 def _check(name: str, value: Any, env_name: str, expected: type) -> None:
+    """The type first, then the range: a quoted ``'0.9'`` (YAML) is named a string, not a number out of range."""
     allowed, ok = _ALLOWED[name]
     well_typed = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if expected is float:
-        well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not well_typed or not ok(value):
+        well_typed = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not well_typed:
+        kind = _GIVEN.get(type(value), f"a {type(value).__name__}")
+        raise SettingsError(f"{env_name}={shown(value)} is {kind}, not {_KINDS[expected]} (expected {allowed})")
+    if expected is float and not math.isfinite(value):
+        raise SettingsError(f"{env_name}={shown(value)} is not a finite number (expected {allowed})")
+    if not ok(value):
         raise SettingsError(f"{env_name}={shown(value)} is not allowed: expected {allowed}")

@@ -89,7 +89,7 @@ def test_bad_argument_names_the_argument_not_a_variable_nobody_set():
         AutoOffloadCallback(memory_high=2)
     with pytest.raises(SettingsError, match="unknown setting"):
         Settings.from_env({}, memory_hgih=0.5)
-    with pytest.raises(SettingsError, match=r"^argument rescue='yes' is not allowed: expected a boolean \(1 or 0\)"):
+    with pytest.raises(SettingsError, match=r"^argument rescue='yes' is a string, not a boolean"):
         AutoOffloadCallback(rescue="yes")
     with pytest.raises(SettingsError, match=r"^argument min_steps=-1 is not allowed"):
         Settings(min_steps=-1)
@@ -322,3 +322,22 @@ def test_the_bounds_themselves_are_allowed():
 def test_a_low_threshold_set_to_the_value_it_would_follow_is_still_set():
     assert resolve(Settings(seq_high=8192, seq_low=4096), seq_high=65536).seq_low == 4096
     assert resolve(Settings(memory_high=0.7), memory_high=0.95).memory_low == 0.85
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"memory_high": "0.9"}, r"^argument memory_high='0\.9' is a string, not a number \(expected a fraction in"),
+        ({"seq_high": "8192"}, r"^argument seq_high='8192' is a string, not an integer"),
+        ({"seq_high": 8192.0}, r"^argument seq_high=8192\.0 is a float, not an integer"),
+        ({"rescue": "yes"}, r"^argument rescue='yes' is a string, not a boolean"),
+        ({"mode": 1}, r"^argument mode=1 is an integer, not a string"),
+        ({"memory_high": float("nan")}, r"^argument memory_high=nan is not a finite number"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_as_such(arguments, message):
+    """Issue 54: ``memory_high='0.9'`` (a string, from a quoted YAML value) said "not in (0, 1]"."""
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env({}, **arguments)
+    with pytest.raises(SettingsError, match=message):
+        Settings(**arguments)
