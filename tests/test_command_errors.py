@@ -55,7 +55,7 @@ MODEL = ["--layers", "2", "--hidden", "8"]
     [
         ([*MODEL, "--seq", HUGE], ("--seq", "out of range")),
         ([*MODEL, "--seq", "8", "--device-memory", "1e308"], ("--device-memory", "out of range")),
-        ([*MODEL, "--seq", "8", "--device-memory", "nan"], ("--device-memory",)),
+        ([*MODEL, "--seq", "8", "--device-memory", "nan"], ("--device-memory", "'nan' is not a number")),
         ([*MODEL, "--seq", "8", "--other-memory", "1e300"], ("--other-memory",)),
         ([*MODEL, "--seq", "8", "--batch", "9" * 100_000], ("--batch", "100,000 characters")),
         ([*MODEL, "--seq", "8", "--ranks-per-node", HUGE], ("--ranks-per-node",)),
@@ -173,3 +173,15 @@ def test_demo_arguments(tmp_path, capsys, argv, named):
     (tmp_path / "file").write_text("")
     argv = [a.format(file=tmp_path / "file", long=tmp_path / ("d" * 5000)) for a in argv]
     one_line_error(["demo", *argv], capsys, *named)
+
+
+def test_estimate_names_a_value_of_the_wrong_type_not_a_missing_key(tmp_path, capsys):
+    """Issue 54: ``"hidden_size": "big"`` said the config "has no hidden size"."""
+    path = config(tmp_path, '{"num_hidden_layers": 2, "hidden_size": "big"}')
+    line = one_line_error(["estimate", path, "--seq", "8"], capsys, "hidden_size='big'", "not a whole number")
+    assert "no hidden size" not in line
+
+
+def test_nan_is_not_called_out_of_range(capsys):
+    line = one_line_error(["estimate", *MODEL, "--seq", "8", "--device-memory", "nan"], capsys, "not a number")
+    assert "2**40" not in line
