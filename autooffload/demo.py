@@ -120,7 +120,10 @@ def _output_dir(text: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="autooffload demo", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="autooffload demo",
+        description="Train a tiny random Qwen3 through Trainer on mixed lengths and show each decision.",
+    )
     parser.add_argument("--device-bytes", type=_device_bytes, default=DEVICE_BYTES, help="size of the simulated device")
     parser.add_argument("--output-dir", type=_output_dir, default="/tmp/autooffload-demo")
     options = parser.parse_args(argv)
@@ -134,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers.autooffload").setLevel(logging.INFO)
     warnings.simplefilter("ignore", FutureWarning)
     model = tiny_qwen3(LAYERS, HIDDEN, VOCAB)
+    # Weights, gradients and Adam's two moments stay on the device whatever offload does: a device smaller than
+    # those would run every step far over budget and show nothing the demo is for.
+    held = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    if options.device_bytes < held:
+        print(
+            f"autooffload demo: error: --device-bytes {options.device_bytes:,} cannot hold the model: its weights, "
+            f"gradients and Adam state alone take {held:,} bytes (default {DEVICE_BYTES:,})",
+            file=sys.stderr,
+        )
+        return 2
     device = SimulatedDevice(options.device_bytes)
     # seq_high above every length: here the memory, not the sequence trigger, decides.
     callback = AutoOffloadCallback(recompute="auto", seq_high=4096, seq_low=3072, probe=device)

@@ -142,7 +142,10 @@ def _fraction(value: float | None, total: int | None) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autooffload plot", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="autooffload plot",
+        description="One timeline of a history file, to see what the controller decided and why.",
+    )
     parser.add_argument("path", help="a history file, or a training output_dir holding autooffload/history.jsonl")
     parser.add_argument(
         "--out", help="the image to write (default: next to the history file, .png; a name without a suffix gets .png)"
@@ -170,13 +173,27 @@ def main(argv: list[str] | None = None) -> int:
         _print_error(EXTRA_HINT)
         return 2
     except OSError as error:
-        _print_error(f"cannot write {shown(str(out))}: {error.strerror or error}")
+        blocker = _not_a_folder(out.parent)
+        why = f"{blocker} is not a folder" if blocker else error.strerror or error
+        _print_error(f"cannot write {shown(str(out))}: {why}")
         return 2
     except (TypeError, ValueError, KeyError, ArithmeticError) as error:
         _print_error(f"{path} holds records that cannot be drawn ({shown(str(error))})")
         return 2
     print(f"autooffload plot: {len(records)} step(s) from {path} -> {written}")
     return 0
+
+
+def _not_a_folder(folder: Path) -> Path | None:
+    """The nearest of ``folder`` and its parents that exists and is not a folder (``/dev/null`` of
+    ``/dev/null/x.png``): mkdir reports it as "File exists", which names the wrong cause."""
+    for path in (folder, *folder.parents):
+        try:
+            if path.exists():
+                return None if path.is_dir() else path
+        except OSError:
+            return None
+    return None
 
 
 def _print_warning(message: str) -> None:

@@ -30,6 +30,20 @@ class SettingsError(ValueError):
     """A setting (argument or environment variable) has a value autooffload cannot use."""
 
 
+class _Follows:
+    """The default of a low threshold: it follows its high one (:data:`FOLLOWS`). A value of its own, not the
+    number it stands for, so that a low set to 16384 stays 16384 whatever the high is."""
+
+    def __repr__(self) -> str:
+        return "FOLLOW"
+
+    def __reduce__(self) -> str:  # copied and pickled as itself: dataclasses.asdict deep-copies
+        return "FOLLOW"
+
+
+FOLLOW: Any = _Follows()
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What the controller is allowed to do and when.
@@ -37,8 +51,10 @@ class Settings:
     ``mode``: ``"auto"`` lets the policy decide per micro-batch, ``"on"`` always offloads, ``"off"`` never does.
     Offload turns on when the last step's memory fraction reaches ``memory_high`` or a micro-batch's sequence
     length reaches ``seq_high``; it turns off only when memory is below ``memory_low``, the sequence length is
-    below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch (a low threshold not set
-    follows a high one set, as the defaults stand: :data:`FOLLOWS`). Under torch.compile,
+    below ``seq_low`` and ``min_steps`` optimizer steps have passed since the last switch. A low threshold not set
+    follows its high one, wherever the high came from (argument, variable, default): ``seq_low`` is half of
+    ``seq_high`` (16384 by default) and ``memory_low`` is ``memory_high - 0.10``, at least 0 (0.80 by default);
+    one that was set is kept (:data:`FOLLOWS`). Under torch.compile,
     at most ``compile_max_switches`` switches may trigger a recompilation; then offload latches on.
     ``engine``: ``"sync"`` copies on the compute stream; ``"stream"`` overlaps the copies with compute
     (:mod:`autooffload.apply.stream_engine`).
@@ -64,9 +80,9 @@ class Settings:
 
     mode: str = "auto"
     memory_high: float = 0.90
-    memory_low: float = 0.80
+    memory_low: float = FOLLOW  # memory_high - 0.10
     seq_high: int = 32768
-    seq_low: int = 16384
+    seq_low: int = FOLLOW  # seq_high // 2
     min_steps: int = 2
     compile_max_switches: int = 4
     engine: str = "sync"
@@ -79,13 +95,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         values = _as_settings(dataclasses.asdict(self))
-        object.__setattr__(self, "host_memory", values["host_memory"])
         _check_values(values, {})
-        for low, (high, follow) in FOLLOWS.items():  # a low left at its default follows a high set below it
-            default = _DEFAULTS[low]
-            if values[low] == default and values[high] != _DEFAULTS[high] and default > values[high]:
-                values[low] = follow(values[high])
-                object.__setattr__(self, low, values[low])
+        object.__setattr__(self, "_followed", frozenset(low for low in FOLLOWS if values[low] is FOLLOW))
+        values = _followed(values)
+        for name in ("host_memory", *FOLLOWS):
+            object.__setattr__(self, name, values[name])
         _check_order(values, {})
 
     @classmethod
@@ -127,10 +141,7 @@ class Settings:
         values.update(given)
         labels.update({name: _label(source, name) for name in given})
         _check_values(_as_settings({**_DEFAULTS, **values}), labels)  # each error names its value's source
-        for low, (high, follow) in FOLLOWS.items():
-            if high in values and low not in values:
-                values[low] = follow(values[high])
-        _check_order(_as_settings({**_DEFAULTS, **values}), labels)
+        _check_order(_followed(_as_settings({**_DEFAULTS, **values})), labels)
         return cls(**_as_settings(values))
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,10 +152,14 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 
 def resolve(settings: Settings | None, **overrides: Any) -> Settings:
-    """``settings`` with ``overrides`` (``None``: not given) in force; without ``settings``, ``Settings.from_env``."""
+    """``settings`` with ``overrides`` (``None``: not given) in force; without ``settings``, ``Settings.from_env``.
+    A low threshold ``settings`` did not set follows an overridden high one, as everywhere else."""
     given = {key: value for key, value in overrides.items() if value is not None}
     if settings is None:
         return Settings.from_env(**given)
+    for low, (high, _) in FOLLOWS.items():
+        if high in given and low not in given and low in getattr(settings, "_followed", ()):
+            given[low] = FOLLOW
     return dataclasses.replace(settings, **given) if given else settings
 
 
@@ -227,19 +242,26 @@ def _as_settings(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-# A low threshold nobody set follows its high one, as the defaults stand to each other (0.80 under 0.90, 16384 half
-# of 32768): a user who sets only the high threshold gets a working pair, not an error about a default.
+# A low threshold nobody set follows its high one, whatever set the high (0.80 under 0.90, 16384 half of 32768 by
+# default): a user who sets only the high threshold gets a working pair, not an error about a default, and one rule
+# predicts the low from the README's table.
 FOLLOWS = {
     "memory_low": ("memory_high", lambda high: round(max(high - 0.10, 0.0), 6)),
     "seq_low": ("seq_high", lambda high: high // 2),
 }
 
 
+def _followed(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with each low threshold left at :data:`FOLLOW` computed from its (checked) high one."""
+    lows = {low: follow(values[high]) for low, (high, follow) in FOLLOWS.items() if values[low] is FOLLOW}
+    return {**values, **lows}
+
+
 def _check_values(values: dict[str, Any], labels: Mapping[str, str]) -> None:
     """Check every setting in ``values``; an error names a value by ``labels`` (its variable, argument or config
     key)."""
     for field in dataclasses.fields(Settings):
-        if field.name in values:
+        if field.name in values and values[field.name] is not FOLLOW:
             _check(field.name, values[field.name], _named(field.name, labels), _TYPES[str(field.type)])
 
 
@@ -334,10 +356,20 @@ _ALLOWED = {
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}  # field annotations are strings here
 
 
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+_GIVEN = {**_KINDS, float: "a float"}
+
+
 def _check(name: str, value: Any, env_name: str, expected: type) -> None:
+    """The type first, then the range: a quoted ``'0.9'`` (YAML) is named a string, not a number out of range."""
     allowed, ok = _ALLOWED[name]
     well_typed = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if expected is float:
-        well_typed = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not well_typed or not ok(value):
+        well_typed = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not well_typed:
+        kind = _GIVEN.get(type(value), f"a {type(value).__name__}")
+        raise SettingsError(f"{env_name}={shown(value)} is {kind}, not {_KINDS[expected]} (expected {allowed})")
+    if expected is float and not math.isfinite(value):
+        raise SettingsError(f"{env_name}={shown(value)} is not a finite number (expected {allowed})")
+    if not ok(value):
         raise SettingsError(f"{env_name}={shown(value)} is not allowed: expected {allowed}")

@@ -55,7 +55,7 @@ MODEL = ["--layers", "2", "--hidden", "8"]
     [
         ([*MODEL, "--seq", HUGE], ("--seq", "out of range")),
         ([*MODEL, "--seq", "8", "--device-memory", "1e308"], ("--device-memory", "out of range")),
-        ([*MODEL, "--seq", "8", "--device-memory", "nan"], ("--device-memory",)),
+        ([*MODEL, "--seq", "8", "--device-memory", "nan"], ("--device-memory", "'nan' is not a number")),
         ([*MODEL, "--seq", "8", "--other-memory", "1e300"], ("--other-memory",)),
         ([*MODEL, "--seq", "8", "--batch", "9" * 100_000], ("--batch", "100,000 characters")),
         ([*MODEL, "--seq", "8", "--ranks-per-node", HUGE], ("--ranks-per-node",)),
@@ -173,3 +173,49 @@ def test_demo_arguments(tmp_path, capsys, argv, named):
     (tmp_path / "file").write_text("")
     argv = [a.format(file=tmp_path / "file", long=tmp_path / ("d" * 5000)) for a in argv]
     one_line_error(["demo", *argv], capsys, *named)
+
+
+def test_estimate_names_a_value_of_the_wrong_type_not_a_missing_key(tmp_path, capsys):
+    """Issue 54: ``"hidden_size": "big"`` said the config "has no hidden size"."""
+    path = config(tmp_path, '{"num_hidden_layers": 2, "hidden_size": "big"}')
+    line = one_line_error(["estimate", path, "--seq", "8"], capsys, "hidden_size='big'", "not a whole number")
+    assert "no hidden size" not in line
+
+
+def test_nan_is_not_called_out_of_range(capsys):
+    line = one_line_error(["estimate", *MODEL, "--seq", "8", "--device-memory", "nan"], capsys, "not a number")
+    assert "2**40" not in line
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["--bogus"], ["estimat", "--seq", "8"]])
+def test_an_unknown_command_is_named(capsys, argv):
+    """Issue 54: ``autooffload bogus`` printed the usage without saying what was wrong."""
+    one_line_error(argv, capsys, f"unknown command {argv[0]!r}", "demo, estimate, plot")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["plot", "--help"], ["estimate", "--help"]])
+def test_help_is_plain_text(capsys, argv):
+    """Issue 54: ``--help`` showed the docstrings' reST markup (double backquotes, :class: roles)."""
+    code, out, err = run(argv, capsys)
+    assert (code, err) == (0, "") and "usage: autooffload" in out
+    assert "``" not in out and ":class:" not in out and ":mod:" not in out, out
+
+
+def test_plot_names_the_file_in_the_way_of_the_image_not_file_exists(tmp_path, capsys):
+    """Issue 54: ``--out /dev/null/x.png`` said "File exists" (mkdir of /dev/null)."""
+    path = tmp_path / "history.jsonl"
+    write_history(path)
+    (tmp_path / "file").write_text("")
+    for out, blocker in (
+        ("/dev/null/x.png", "/dev/null"),
+        (str(tmp_path / "file" / "a" / "h.png"), str(tmp_path / "file")),
+    ):
+        line = one_line_error(["plot", str(path), "--out", out], capsys, "cannot write", f"{blocker} is not a folder")
+        assert "File exists" not in line
+
+
+def test_demo_refuses_a_device_too_small_for_the_model(tmp_path, capsys):
+    """Issue 54: ``demo --device-bytes 100`` trained 16 steps at 3,282,532% of the device, without a word."""
+    out = tmp_path / "demo"
+    one_line_error(["demo", "--device-bytes", "100", "--output-dir", str(out)], capsys, "--device-bytes 100", "model")
+    assert not (out / "autooffload").exists()

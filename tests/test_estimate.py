@@ -287,3 +287,38 @@ def test_target_seq_is_required_for_an_encoder_decoder_config_and_refused_otherw
     (tmp_path / "q").mkdir()
     code, _, err = run([str(qwen3_8b(tmp_path / "q")), "--seq", "1024", "--target-seq", "64"], capsys)
     assert code == 2 and "--target-seq is for encoder-decoder configs" in err
+
+
+def test_a_step_whose_other_memory_alone_exceeds_the_device_cannot_fit(capsys):
+    """Issue 54: ``--device-memory 24 --other-memory 30`` answered "offload not needed". Offload moves only the saved
+    layer inputs; what the rest of the step takes stays on the device, so the job cannot fit at all."""
+    argv = ["--layers", "36", "--hidden", "4096", "--seq", "8192", "--device-memory", "24", "--other-memory", "30"]
+    code, out, _ = run([*argv, "--json"], capsys)
+    result = json.loads(out)
+    assert (code, result["verdict"]) == (0, "cannot-fit")
+    assert "cannot fit" in result["recommendation"] and "30.00 GiB" in result["recommendation"]
+    _, out, _ = run(argv, capsys)
+    assert "recommendation: the job cannot fit" in out and "not needed" not in out
+    # The saved inputs and the rest together over the device: offload is required, not "not needed".
+    half = est.estimate(36, 4096, 8192, device_memory_bytes=24 * GIB, other_memory_bytes=23 * GIB)
+    assert half.verdict == "required" and "23.00 GiB" in half.recommendation
+
+
+def test_a_hub_id_is_read_from_the_local_cache_or_named_as_not_local(tmp_path, capsys, monkeypatch):
+    """Issue 54: ``estimate Qwen/Qwen3-8B`` said "config file not found". The estimate reads no network: a Hub id is
+    read from the local Hugging Face cache where it is there, and otherwise the error says only a local config is
+    read."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out, err = run(["Qwen/Qwen3-8B", "--seq", "8192"], capsys)
+    assert (code, out, len(err.strip().splitlines())) == (2, "", 1)
+    assert "Qwen/Qwen3-8B" in err and "local" in err and "not found" not in err
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-8B"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    qwen3_8b(snapshot)
+    code, out, err = run(["Qwen/Qwen3-8B", "--seq", "8192", "--json"], capsys)
+    assert (code, err) == (0, "")
+    assert (json.loads(out)["layers"], json.loads(out)["hidden"]) == (36, 4096)

@@ -49,6 +49,35 @@ def test_the_command_prints_the_version():
     assert result.stdout == f"autooffload {autooffload.__version__}\n"
 
 
+# The command in a fresh process, then what it imported: --help, --version and estimate are arithmetic and text, and
+# importing torch and transformers alone took ~8 s of every call (issue 54).
+IMPORTED = """
+import sys
+from autooffload.__main__ import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        ["estimate", "--help"],
+        ["estimate", "--layers", "36", "--hidden", "4096", "--seq", "32768", "--device-memory", "80"],
+        ["estimate", "--layers", "36", "--hidden", "4096", "--seq", "0"],
+    ],
+)
+def test_the_quick_commands_import_neither_torch_nor_transformers(argv):
+    result = run(sys.executable, "-c", IMPORTED, *argv, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout[-500:]
+
+
 def test_the_changelog_says_what_this_version_changed():
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     headings = re.findall(r"(?m)^## (\S+)", changelog)

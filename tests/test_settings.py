@@ -2,7 +2,7 @@ import pytest
 
 from autooffload import AutoOffloadCallback, Settings, SettingsError
 from autooffload.integrations.axolotl import AutoOffloadPlugin
-from autooffload.settings import offload_mode
+from autooffload.settings import offload_mode, resolve
 
 
 def test_defaults():
@@ -89,7 +89,7 @@ def test_bad_argument_names_the_argument_not_a_variable_nobody_set():
         AutoOffloadCallback(memory_high=2)
     with pytest.raises(SettingsError, match="unknown setting"):
         Settings.from_env({}, memory_hgih=0.5)
-    with pytest.raises(SettingsError, match=r"^argument rescue='yes' is not allowed: expected a boolean \(1 or 0\)"):
+    with pytest.raises(SettingsError, match=r"^argument rescue='yes' is a string, not a boolean"):
         AutoOffloadCallback(rescue="yes")
     with pytest.raises(SettingsError, match=r"^argument min_steps=-1 is not allowed"):
         Settings(min_steps=-1)
@@ -114,6 +114,43 @@ def test_a_high_threshold_set_alone_takes_its_low_one_with_it():
     assert Settings.from_env({"AUTOOFFLOAD_SEQ_LOW": "100"}, seq_high=8192).seq_low == 100  # set: kept
     with pytest.raises(SettingsError, match=r"^argument seq_low=10000 is above argument seq_high=8192"):
         Settings.from_env({}, seq_high=8192, seq_low=10000)
+
+
+@pytest.mark.parametrize(
+    ("high", "low", "value", "follows"),
+    [
+        ("seq_high", "seq_low", 8192, 4096),
+        ("seq_high", "seq_low", 65536, 32768),
+        ("seq_high", "seq_low", 1, 0),
+        ("memory_high", "memory_low", 0.7, 0.6),
+        ("memory_high", "memory_low", 0.95, 0.85),
+        ("memory_high", "memory_low", 0.08, 0.0),
+    ],
+)
+def test_a_low_threshold_not_set_follows_its_high_one_by_one_rule_from_every_source(high, low, value, follows):
+    """Issue 54: ``Settings(seq_high=65536).seq_low`` was 16384 (the constructor followed only a high set below the
+    default low) while ``from_env`` gave 32768. One rule, the README's table's: a low not set is half the high
+    length, 0.10 below the high fraction (at least 0), wherever the high came from; a low that was set is kept, even
+    at its default's value."""
+    built = [
+        Settings(**{high: value}),
+        Settings.from_env({"AUTOOFFLOAD_" + high.upper(): str(value)}),
+        Settings.from_env({}, **{high: value}),
+        Settings.from_source("axolotl config autooffload", {high: value}, {}),
+        resolve(None, **{high: value}),
+        resolve(Settings(), **{high: value}),
+    ]
+    assert [getattr(s, low) for s in built] == [follows] * len(built)
+    default = getattr(Settings(), low)
+    assert getattr(Settings(**{high: value, low: min(default, follows)}), low) == min(default, follows)
+    assert getattr(Settings.from_env({}, **{high: value, low: min(default, follows)}), low) == min(default, follows)
+
+
+def test_a_low_threshold_set_stays_set_when_a_high_one_is_overridden():
+    assert resolve(Settings(seq_low=100), seq_high=65536).seq_low == 100
+    assert resolve(Settings(seq_high=8192), seq_high=65536).seq_low == 32768
+    assert Settings(seq_high=65536, seq_low=16384).seq_low == 16384
+    assert (Settings().seq_low, Settings().memory_low) == (16384, 0.8)
 
 
 def test_each_source_is_named_in_its_error(monkeypatch):
@@ -280,3 +317,27 @@ def test_the_bounds_themselves_are_allowed():
     assert (s.memory_high, s.memory_low, s.seq_low, s.compile_max_switches, s.min_steps) == (1.0, 0.0, 0, 0, 0)
     assert Settings(keep_margin=0.0).keep_margin == 0.0 and Settings(keep_margin=0.5).keep_margin == 0.5
     assert Settings.from_env({"AUTOOFFLOAD_KEEP_MARGIN": "0.02"}).keep_margin == 0.02
+
+
+def test_a_low_threshold_set_to_the_value_it_would_follow_is_still_set():
+    assert resolve(Settings(seq_high=8192, seq_low=4096), seq_high=65536).seq_low == 4096
+    assert resolve(Settings(memory_high=0.7), memory_high=0.95).memory_low == 0.85
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"memory_high": "0.9"}, r"^argument memory_high='0\.9' is a string, not a number \(expected a fraction in"),
+        ({"seq_high": "8192"}, r"^argument seq_high='8192' is a string, not an integer"),
+        ({"seq_high": 8192.0}, r"^argument seq_high=8192\.0 is a float, not an integer"),
+        ({"rescue": "yes"}, r"^argument rescue='yes' is a string, not a boolean"),
+        ({"mode": 1}, r"^argument mode=1 is an integer, not a string"),
+        ({"memory_high": float("nan")}, r"^argument memory_high=nan is not a finite number"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_as_such(arguments, message):
+    """Issue 54: ``memory_high='0.9'`` (a string, from a quoted YAML value) said "not in (0, 1]"."""
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env({}, **arguments)
+    with pytest.raises(SettingsError, match=message):
+        Settings(**arguments)

@@ -39,6 +39,8 @@ from .config import (
     HIDDEN_KEYS,
     LAYER_KEYS,
     TEXT_CONFIG_KEYS,
+    hub_cache,
+    local_config,
     read_config,
     read_encoder_decoder,
     read_layer_shape,
@@ -64,6 +66,8 @@ __all__ = [
     "host_available_bytes",
     "host_budget",
     "host_total_bytes",
+    "hub_cache",
+    "local_config",
     "main",
     "normalize_dtype",
     "nvml_total_bytes",
@@ -115,7 +119,9 @@ def _number(text: str, kind: type) -> Any:
     except (ValueError, OverflowError):
         expected = "number" if kind is float else "whole number"
         raise argparse.ArgumentTypeError(f"{shown(text)} is not a {expected}") from None
-    if abs(value) > LARGEST or not math.isfinite(value):
+    if isinstance(value, float) and math.isnan(value):  # float() reads "nan"
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number")
+    if abs(value) > LARGEST:  # infinities included
         raise argparse.ArgumentTypeError(f"{shown(text)} is out of range (at most 2**40)")
     return value
 
@@ -125,7 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autooffload estimate",
         description="What offloading checkpointed layer inputs frees on the device and costs in copies.",
     )
-    parser.add_argument("config", nargs="?", help="a local config.json of a transformers model, or its folder")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help="a local config.json of a transformers model, its folder, or a Hub id (Qwen/Qwen3-8B) already in the "
+        "local Hugging Face cache; nothing is downloaded",
+    )
     parser.add_argument("--layers", type=_positive(int), help="checkpointed layers (overrides the config)")
     parser.add_argument("--hidden", type=_positive(int), help="hidden size (overrides the config)")
     parser.add_argument(
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layers = hidden = None
         if options.config is not None:
+            options.config = local_config(options.config)
             layers, hidden = read_config(options.config)
         layers = options.layers or layers
         hidden = options.hidden or hidden

@@ -41,7 +41,7 @@ DEFAULT_HOST_BANDWIDTH_GBPS = 25.0
 # Above this share of device memory the saved inputs alone make the memory trigger (memory_high) plausible.
 LARGE_SHARE = 0.5
 
-VERDICTS = ("not-needed", "auto", "required", "host-too-small")
+VERDICTS = ("not-needed", "auto", "required", "host-too-small", "cannot-fit")
 
 
 class EstimateError(ValueError):
@@ -160,13 +160,15 @@ def estimate(
     host_fits = None if host_available_bytes is None else node_pinned <= host_available_bytes
     all_layers = layers + decoder_layers
     budget_layers = None if host_budget_bytes is None else _fitting(stacks, host_budget_bytes // ranks_per_node)
-    verdict, text = _recommend(saved, node_pinned, trigger_seq, seq_high, device_memory_bytes, host_available_bytes)
-    if verdict != "not-needed" and budget_layers is not None and budget_layers < all_layers:
+    verdict, text = _recommend(
+        saved, node_pinned, trigger_seq, seq_high, device_memory_bytes, host_available_bytes, other_memory_bytes
+    )
+    if verdict in ("auto", "required", "host-too-small") and budget_layers is not None and budget_layers < all_layers:
         text += (
             f"; the host memory budget ({gib(host_budget_bytes)} for {ranks_per_node} rank(s), "
             f"AUTOOFFLOAD_HOST_MEMORY) caps offload at {budget_layers} of {all_layers} layers"
         )
-    if verdict != "not-needed" and pinnable_bytes is not None and pinned > pinnable_bytes:
+    if verdict in ("auto", "required", "host-too-small") and pinnable_bytes is not None and pinned > pinnable_bytes:
         text += f"; pinning stops at {gib(pinnable_bytes)} ({pinnable_note}): the rest goes to pageable memory"
 
     memory_high = Settings().memory_high if memory_high is None else memory_high
@@ -231,15 +233,27 @@ def _fitting(stacks: list[tuple[int, int, int]], budget: int) -> int:
 
 
 def _recommend(
-    saved: int, pinned: int, seq: int, seq_high: int, device: int | None, host: int | None
+    saved: int, pinned: int, seq: int, seq_high: int, device: int | None, host: int | None, other: int = 0
 ) -> tuple[str, str]:
-    """Why each branch: offload is needed when the saved inputs cannot fit at all; ``auto`` turns it on for
-    long sequences (seq_high) or a full device (memory_high, measured at run time, so only hinted at here);
-    and whenever it turns on, the pinned copies must fit in host memory."""
+    """Why each branch: the job cannot fit when the rest of the step (``other``: weights, gradients, optimizer
+    state) alone fills the device, since offload moves only the saved inputs; offload is needed when the saved
+    inputs and that rest cannot fit together; ``auto`` turns it on for long sequences (seq_high) or a full device
+    (memory_high, measured at run time, so only hinted at here); and whenever it turns on, the pinned copies must
+    fit in host memory."""
+    if device and other >= device:
+        return "cannot-fit", (
+            f"the job cannot fit: the rest of the step (--other-memory, {gib(other)}) alone exceeds device memory "
+            f"({gib(device)}), and offload moves only the saved layer inputs ({gib(saved)})"
+        )
     share = saved / device if device else None
-    if share is not None and share >= 1.0:
+    if device and saved + other >= device:
         verdict = "required"
         text = f"offload required: the saved inputs alone ({gib(saved)}) exceed device memory ({gib(device)})"
+        if other:
+            text = (
+                f"offload required: the saved inputs ({gib(saved)}) and the rest of the step ({gib(other)}) exceed "
+                f"device memory ({gib(device)})"
+            )
     elif seq >= seq_high:
         verdict = "auto"
         text = f"auto: offload will switch on for sequences like this (seq {seq} >= AUTOOFFLOAD_SEQ_HIGH={seq_high})"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +53,56 @@ def read_config(path: str | Path) -> tuple[int, int]:
     layers = _first_int(scopes, LAYER_KEYS, path)
     hidden = _first_int(scopes, HIDDEN_KEYS, path)
     missing = [what for what, value in (("layer count", layers), ("hidden size", hidden)) if value is None]
+    keys = {"layer count": LAYER_KEYS, "hidden size": HIDDEN_KEYS}
+    for key in (key for what in missing for key in keys[what]):  # present, but not a count: say so
+        value = next((scope[key] for scope in scopes if scope.get(key) is not None), None)
+        if value is not None:
+            raise EstimateError(f"{path}: {key}={shown(value)} is not a whole number; pass --layers/--hidden")
     if missing:
-        keys = {"layer count": LAYER_KEYS, "hidden size": HIDDEN_KEYS}
         wanted = "; ".join(f"{m} ({'/'.join(keys[m])})" for m in missing)
         raise EstimateError(f"{path} has no {wanted}; pass --layers/--hidden")
     return layers, hidden  # type: ignore[return-value]
+
+
+# A Hub model id: owner/name, as transformers' from_pretrained takes it.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def local_config(name: str | Path) -> Path:
+    """The ``config.json`` that ``name`` names on this machine: a file, a folder holding one, or a Hub id
+    (``Qwen/Qwen3-8B``) whose config is in the local Hugging Face cache. Never the network: the estimate answers
+    offline, in well under a second. A Hub id not in the cache is an error that says so, not "not found"."""
+    path = Path(name)
+    try:
+        if path.exists():
+            return path / "config.json" if path.is_dir() else path
+    except OSError as error:  # a name too long to look up
+        raise EstimateError(f"cannot read {shown(str(name))}: {error.strerror or error}") from None
+    if not _HUB_ID.fullmatch(str(name)):
+        return path  # read_config names it as not found
+    hub = hub_cache()
+    repo = hub / f"models--{str(name).replace('/', '--')}"
+    revision = repo / "refs" / "main"
+    snapshots = [repo / "snapshots" / revision.read_text().strip()] if revision.is_file() else []
+    snapshots += sorted((repo / "snapshots").glob("*"), key=lambda folder: folder.stat().st_mtime, reverse=True)
+    for snapshot in snapshots:
+        if (snapshot / "config.json").is_file():
+            return snapshot / "config.json"
+    raise EstimateError(
+        f"{name} is not a local file or folder, and the local Hugging Face cache ({hub}) holds no config of it: "
+        f"the estimate reads only a local config.json (no network); fetch it first (hf download {name} "
+        "config.json) or pass its path"
+    )
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloads: HF_HUB_CACHE, HF_HOME/hub, or the default under ~/.cache."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "huggingface" / "hub"
 
 
 def _config_or_none(path: str | Path) -> dict[str, Any] | None:
