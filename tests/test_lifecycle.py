@@ -248,9 +248,9 @@ def test_a_failure_cleaning_up_a_failed_train_warns_and_the_users_error_goes_on(
         raise OSError("disk full")
 
     monkeypatch.setattr(failed, "_write_history", broken)
-    with pytest.warns(AutoOffloadWarning, match="cleaning up after train.. raised .OSError: disk full"):
-        with pytest.raises(RuntimeError, match="injected"):
-            trainer.train()
+    cleaning_up = "cleaning up after train.. raised .OSError: disk full"
+    with pytest.warns(AutoOffloadWarning, match=cleaning_up), pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
     assert hooks_of(net) == [] and failed.controller.switch is None
 
 
