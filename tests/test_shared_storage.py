@@ -133,3 +133,28 @@ def test_luke_with_entities_trains_on_all_three_rungs_bit_identical_to_plain(eng
     switch.apply(2, 1)  # layers 0 and 1 offload (layer 1's inputs are views), layer 2 recomputes, layer 3 keeps
     assert (switch.offloaded, switch.kept) == (2, 1)
     assert same_grads(luke_steps(net), reference)
+
+
+def test_a_storage_pack_failing_after_its_buffer_was_taken_gives_the_buffer_back(monkeypatch):
+    """A view's whole-storage pack that raises after ``HostMemory.take`` (here counting the bytes) keeps the view on
+    the device and gives the buffer back, as a plain pack does (issue 49, 1.4): nothing stays lent, nothing held."""
+    from autooffload.apply.offload import HostOffloadHooks
+
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    host.budget_bytes = 1 << 20
+    stats = OffloadStats()
+
+    def failing(self, nbytes):
+        raise RuntimeError("injected after take")
+
+    base = torch.randn(4, 10, requires_grad=True)
+    view = (base * 1)[:, 2:5]
+    monkeypatch.setattr(OffloadStats, "add", failing)
+    with HostOffloadHooks(stats, host, layer_input=view):
+        loss = (view * view).sum()
+    monkeypatch.undo()
+    loss.backward()
+    assert torch.equal(base.grad[:, 2:5], 2 * base.detach()[:, 2:5])
+    assert host.lent_bytes == 0 and stats.total_bytes == 0
+    host.release_all()
+    assert host.held_bytes == 0

@@ -218,9 +218,13 @@ def _storage_to_host(
         if buffer is None:
             stats.short(nbytes)
             return _Saved(tensor)
-        stats.add(nbytes)
-        source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        buffer.tensor[:nbytes].copy_(source, non_blocking=buffer.pinned)
+        try:
+            source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            buffer.tensor[:nbytes].copy_(source, non_blocking=buffer.pinned)
+            stats.add(nbytes)
+        except BaseException:  # the tensor stays on the device (the pack's fallback): its buffer goes back, not lost
+            host.give(buffer)
+            raise
         whole = copies[key] = _HostStorage(_Loan(host, buffer, faults), nbytes, tensor.device)
     saved = _Saved(tensor)
     saved.tensor, saved.whole = None, whole
