@@ -158,3 +158,36 @@ def test_a_storage_pack_failing_after_its_buffer_was_taken_gives_the_buffer_back
     assert host.lent_bytes == 0 and stats.total_bytes == 0
     host.release_all()
     assert host.held_bytes == 0
+
+
+def test_a_tensor_and_a_view_of_it_saved_in_one_call_move_one_storage_once():
+    """A layer call that saves a tensor and a view of it (its input and a slice of that input) moves their storage
+    once, not once as the tensor and again whole for the view, and both come back as views of one storage."""
+    from autooffload.apply.offload import HostOffloadHooks
+
+    host = HostMemory(pin=True, register=lambda t: None, unregister=lambda t: None, drain=lambda d: None)
+    host.budget_bytes = 1 << 20
+    stats, shared = OffloadStats(), []
+
+    class Both(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, whole, part):
+            ctx.save_for_backward(whole, part)
+            return whole.sum() + part.sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            whole, part = ctx.saved_tensors
+            shared.append(whole.untyped_storage().data_ptr() == part.untyped_storage().data_ptr())
+            return whole * grad, part * grad
+
+    x = torch.randn(4, 10, requires_grad=True)
+    hidden = x * 1
+    head = hidden[:, :2]
+    with HostOffloadHooks(stats, host, layer_input=(hidden, head)):
+        loss = Both.apply(hidden, head)
+    loss.backward()
+    expected = x.detach().clone()
+    expected[:, :2] *= 2
+    assert stats.total_bytes == 4 * 10 * 4 and shared == [True]
+    assert torch.equal(x.grad, expected)

@@ -198,17 +198,12 @@ class _Saved:
         return self.tensor.to(self.device, copy=True)
 
 
-def _owns_storage(tensor: torch.Tensor) -> bool:
-    """Does ``tensor`` cover its whole storage, from its start (not a view into a larger tensor)?"""
-    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-
-
 def _storage_to_host(
     tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: dict
 ) -> _Saved:
-    """A view ``tensor`` packed as a view of its whole storage in host memory, the storage copied and counted once per
-    layer call (``copies``: this call's, by storage and version); kept on the device where no host buffer can take
-    it."""
+    """``tensor`` packed as a view of its whole storage in host memory, the storage copied and counted once per layer
+    call (``copies``: this call's, by storage and version), so that a tensor and views of it saved in one call come
+    back as views of one storage; kept on the device where no host buffer can take it."""
     storage = tensor.untyped_storage()
     key = (tensor.device, storage.data_ptr(), tensor._version)
     whole = copies.get(key)
@@ -236,14 +231,15 @@ def _storage_to_host(
 def _to_host(
     tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: dict | None = None
 ) -> _Saved:
-    """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it. A view
-    into a larger storage moves as that storage (:func:`_storage_to_host`), where the call's ``copies`` are given."""
+    """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it. Where the
+    call's ``copies`` are given, a strided tensor moves as its storage (:func:`_storage_to_host`): a view into a
+    larger one, or a tensor whose views the call saves too, moves that storage once."""
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type == "cpu" and not (host.pin or host.copy_cpu):
         stats.add(nbytes)
         return _Saved(tensor)
-    if copies is not None and not tensor.is_sparse and tensor.layout == torch.strided and not _owns_storage(tensor):
-        return _storage_to_host(tensor, stats, host, faults, copies)
+    if copies is not None and not tensor.is_sparse and tensor.layout == torch.strided:
+        return _storage_to_host(tensor, stats, host, faults, copies)  # a tensor and a view of it: one storage
     if tensor.is_sparse or not tensor.is_contiguous():
         stats.add(nbytes)
         return _Saved(tensor, tensor.to("cpu", copy=True))
