@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 
@@ -199,7 +199,7 @@ class _Saved:
 
 
 def _storage_to_host(
-    tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: dict
+    tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: MutableMapping
 ) -> _Saved:
     """``tensor`` packed as a view of its whole storage in host memory, the storage copied and counted once per layer
     call (``copies``: this call's, by storage and version), so that a tensor and views of it saved in one call come
@@ -222,14 +222,18 @@ def _storage_to_host(
             raise
         whole = copies[key] = _HostStorage(_Loan(host, buffer, faults), nbytes, tensor.device)
     saved = _Saved(tensor)
-    saved.tensor, saved.whole = None, whole
+    saved.tensor, saved.whole = None, whole  # type: ignore[assignment]  # no tensor of its own: read via whole
     saved.layout = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
     whole.views += 1
     return saved
 
 
 def _to_host(
-    tensor: torch.Tensor, stats: OffloadStats, host: HostMemory, faults: StepFaults, copies: dict | None = None
+    tensor: torch.Tensor,
+    stats: OffloadStats,
+    host: HostMemory,
+    faults: StepFaults,
+    copies: MutableMapping | None = None,
 ) -> _Saved:
     """``tensor`` packed into host memory, counted; kept on the device where no host buffer can take it. Where the
     call's ``copies`` are given, a strided tensor moves as its storage (:func:`_storage_to_host`): a view into a
