@@ -246,7 +246,7 @@ class RankAgreement:
     def _decide(self, on: bool) -> None:
         if on and self.per_micro_batch() and under_join():
             self.out_of_step("DDP's join()")
-        self.due = on and self.per_micro_batch()
+        self._fall_due(on)
 
     def _fall_due(self, on: bool) -> None:
         self.due = on and self.per_micro_batch()
