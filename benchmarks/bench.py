@@ -28,36 +28,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import inspect
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
 
 # Measure the checkout this script lives in, not whichever autooffload happens to be installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import autooffload
-from autooffload import OffloadController, OffloadStats, Settings
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import models
+from harness import results as written
+from harness.environment import cpu_model, git_commit, own_settings, stamp
+from harness.forms import Installed
+from harness.models import DTYPES, has_native_offload
+from harness.rounds import Clock, OverBudget, StepClock, interleaved
+from harness.verdicts import spread
+
+from autooffload import OffloadController, Settings
 from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.costs import GcWatch
 
 MODES = ("checkpointing", "always", "on", "auto")
 MIB = 2**20
 GIB = 2**30
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---- what to run ----------------------------------------------------------------------------------------
@@ -125,104 +123,26 @@ def mixed_lengths(short: int, long: int, steps: int) -> tuple[int, ...]:
 
 
 def build_model(plan: Plan, layers: int, hidden: int, max_seq: int) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=plan.vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=plan.heads,
-        num_key_value_heads=plan.heads // 2,
-        head_dim=plan.head_dim,
-        max_position_embeddings=max_seq,
-        use_cache=False,
-        attn_implementation=plan.attention,
-    )
-    torch.manual_seed(0)
-    with torch.device(plan.device):
-        model = Qwen3ForCausalLM(config)
-    return model.to(DTYPES[plan.dtype]).train()
+    shape = models.Shape(layers, hidden, plan.heads, plan.head_dim, plan.vocab, plan.dtype, max_seq, max_seq)
+    return models.build_model(shape, plan.device)
 
 
-def _enable_method(model: torch.nn.Module) -> Callable[..., Any]:
-    # activation_* from transformers 5.23, gradient_* before (and a deprecated alias after).
-    return getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-
-
-def has_native_offload(model: torch.nn.Module) -> bool:
-    return "offload" in inspect.signature(_enable_method(model)).parameters
-
-
-def enable_checkpointing(model: torch.nn.Module, native_offload: bool = False) -> None:
-    """(Re-)enable checkpointing; each call replaces every layer's checkpoint function."""
-    # transformers 5.x registers an input-embedding hook on every enable; drop the previous one first.
-    if getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None) is not None:
-        model.disable_input_require_grads()
-    kwargs = {"use_reentrant": False}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        if native_offload:
-            _enable_method(model)(kwargs, offload=True)
-        else:
-            _enable_method(model)(kwargs)
-
-
-def install_save_on_cpu(model: torch.nn.Module, device: str, stats: OffloadStats) -> None:
-    """The wrap transformers' native offload makes (checkpoint under torch's ``save_on_cpu``), for releases
-    and devices where it cannot be used. torch's own pack and unpack functions do the work; the pack is
-    wrapped only to count the bytes. Pinned memory only on an accelerator, as on a CPU-only build there is none."""
-
-    def checkpoint_save_on_cpu(function, *args, **kwargs):
-        inner = save_on_cpu(pin_memory=device != "cpu", device_type=device)
-
-        def pack(tensor: torch.Tensor) -> Any:
-            stats.add(tensor.numel() * tensor.element_size())
-            return inner.pack_hook(tensor)
-
-        with saved_tensors_hooks(pack, inner.unpack_hook):
-            return checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-    for module in model.modules():
-        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = checkpoint_save_on_cpu
-
-
-class Mode:
-    """One mode, installed on the model before each of its steps and taken off after, so that modes can be
-    interleaved step by step (a fair comparison on a machine whose load drifts). An autooffload controller
-    lives as long as the mode does: re-attaching keeps its policy state, as in one continuous run, and so does its
-    host memory (``host``, shared with a warm-up's mode where given): the buffers pinned in one step serve the
-    next, as torch's pinned allocator keeps ``always``'s."""
+class Mode(Installed):
+    """One mode (:class:`harness.forms.Installed`). Its host memory (``host``, shared with a warm-up's mode where
+    given) lives as long as it does: the buffers pinned in one step serve the next, as torch's pinned allocator keeps
+    ``always``'s."""
 
     def __init__(self, name: str, model: torch.nn.Module, plan: Plan, host: HostMemory | None = None) -> None:
-        self.name, self.model, self.device = name, model, plan.device
-        self.native = name == "always" and plan.device != "cpu" and has_native_offload(model)
-        self.stats: OffloadStats | None = None
-        self.controller: OffloadController | None = None
-        if name == "checkpointing":
-            self.label = "checkpointing alone"
-        elif name == "always" and self.native:
-            self.label = "always: transformers offload=True"
-        elif name == "always":
-            self.stats = OffloadStats()
-            self.label = f"always: save_on_cpu(pin_memory={plan.device != 'cpu'}) wrap"
-        else:
+        controller = None
+        if name in ("on", "auto"):
             settings = Settings(mode=name, **(plan.auto if name == "auto" else {}))
             probe = "auto" if plan.device == "cuda" else None
-            self.controller = OffloadController(settings, probe=probe, host=host or HostMemory())
-            self.label = f"autooffload {name}"
-
-    def activate(self) -> None:
-        enable_checkpointing(self.model, native_offload=self.native)
-        if self.stats is not None:
-            install_save_on_cpu(self.model, self.device, self.stats)
-        if self.controller is not None:
-            self.controller.attach(self.model)
-
-    def deactivate(self) -> None:
-        if self.controller is not None:
-            self.controller.detach()
+            controller = OffloadController(settings, probe=probe, host=host or HostMemory())
+        super().__init__(model, plan.device, offload=name == "always", controller=controller)
+        self.name = name
+        wrap = f"always: save_on_cpu(pin_memory={plan.device != 'cpu'}) wrap"
+        always = "always: transformers offload=True" if self.native else wrap
+        self.label = {"checkpointing": "checkpointing alone", "always": always}.get(name, f"autooffload {name}")
 
     def offloaded(self) -> bool:
         if self.controller is not None:
@@ -269,64 +189,30 @@ GC = GcWatch()  # started by main(): the collections of every mode's steps
 
 
 def _timed_step(model: torch.nn.Module, mode: Mode, ids: torch.Tensor) -> Step:
+    """CUDA events on a GPU; on the CPU the wall clock, and the process's CPU time beside it."""
     cuda = ids.device.type == "cuda"
     collections, gc_seconds = GC.collections, GC.seconds
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    else:
-        began, began_cpu = time.perf_counter(), time.process_time()
-    loss = model(input_ids=ids, labels=ids).loss
-    resident = torch.cuda.memory_allocated() - before if cuda else None
-    offloaded = mode.offloaded()
-    loss.backward()
-    if cuda:
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        seconds, peak = time.perf_counter() - began, None
-        cpu_seconds = time.process_time() - began_cpu
+    before = torch.cuda.memory_allocated() if cuda else 0
+    with StepClock(cuda) as clock:
+        loss = model(input_ids=ids, labels=ids).loss
+        resident = torch.cuda.memory_allocated() - before if cuda else None
+        offloaded = mode.offloaded()
+        loss.backward()
     del loss
     model.zero_grad(set_to_none=True)
     packed = mode.end_step()
-    step = Step(int(ids.shape[-1]), seconds, resident, peak, packed, offloaded, None if cuda else cpu_seconds)
+    seconds, cpu_seconds = (clock.seconds, None) if cuda else (clock.wall, clock.seconds)
+    step = Step(int(ids.shape[-1]), seconds, resident, clock.peak, packed, offloaded, cpu_seconds)
     step.gc_collections, step.gc_seconds = GC.collections - collections, round(GC.seconds - gc_seconds, 4)
     step.costs = mode.controller.last_step_costs if mode.controller is not None else None
     return step
 
 
 def token_ids(plan: Plan, seq: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, plan.vocab, (plan.batch, seq), generator=generator).to(plan.device)
+    return models.token_ids(plan.vocab, seq, seed, plan.device, plan.batch)
 
 
 # ---- the two experiments --------------------------------------------------------------------------------
-
-
-class OverBudget(Exception):
-    pass
-
-
-class Clock:
-    def __init__(self, budget_s: float) -> None:
-        self.began = time.monotonic()
-        self.budget_s = budget_s
-
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.began
-
-    def check(self, what: str, estimate_s: float) -> None:
-        if self.elapsed + estimate_s > self.budget_s:
-            raise OverBudget(
-                f"{what} skipped: about {estimate_s:.0f} s more would pass the {self.budget_s:.0f} s budget "
-                f"({self.elapsed:.0f} s spent)"
-            )
 
 
 def measure_block(model: torch.nn.Module, plan: Plan, shape: Shape, seq: int, clock: Clock) -> list[dict[str, Any]]:
@@ -341,10 +227,8 @@ def measure_block(model: torch.nn.Module, plan: Plan, shape: Shape, seq: int, cl
         for _ in range(plan.warmup):
             run_step(mode, ids)
     timed: dict[str, list[Step]] = {mode.name: [] for mode in modes}
-    for round_ in range(plan.timed):
-        for i in range(len(modes)):
-            mode = modes[(round_ + i) % len(modes)]
-            timed[mode.name].append(run_step(mode, ids))
+    for _, _, _, mode in interleaved(plan.timed, [seq], modes):
+        timed[mode.name].append(run_step(mode, ids))
     for mode in modes:
         if mode.controller is not None:
             mode.controller.host.release_all()  # the mode's own: the controller's detach leaves it to its owner
@@ -365,7 +249,7 @@ def measure_block(model: torch.nn.Module, plan: Plan, shape: Shape, seq: int, cl
     base = rows[0]
     for row in rows:
         row["ratio"] = row["median_s"] / base["median_s"]
-        row["spread"] = (max(row["times_s"]) - min(row["times_s"])) / row["median_s"]
+        row["spread"] = spread(row["times_s"])
         row["tokens_per_s"] = plan.batch * seq / row["median_s"]
         if plan.device == "cpu":
             row["cpu_median_s"] = statistics.median(row["cpu_times_s"])
@@ -394,11 +278,8 @@ def measure_mixed(model: torch.nn.Module, plan: Plan, clock: Clock) -> dict[str,
             clock.check("mixed-length run", per_pass * len(MODES) * 1.2)
     modes = [Mode(name, model, plan, hosts[name]) for name in MODES]
     per_mode: dict[str, list[Step]] = {mode.name: [] for mode in modes}
-    for i, seq in enumerate(lengths):
-        ids = token_ids(plan, seq, seed=1000 + i)
-        for j in range(len(modes)):
-            mode = modes[(i + j) % len(modes)]
-            per_mode[mode.name].append(run_step(mode, ids))
+    for _, i, seq, mode in interleaved(1, lengths, modes):
+        per_mode[mode.name].append(run_step(mode, token_ids(plan, seq, seed=1000 + i)))
     for host in hosts.values():
         host.release_all()
     cuda = plan.device == "cuda"
@@ -452,44 +333,15 @@ def environment(plan: Plan, argv: list[str]) -> dict[str, Any]:
         device_name = torch.cuda.get_device_name()
     else:
         device_name = f"{cpu_model()}, torch on {torch.get_num_threads()} thread(s) of {os.cpu_count()}"
-    return dict(
+    return stamp(
+        "bench.py",
+        argv,
         threads=torch.get_num_threads(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=plan.device,
         device_name=device_name,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        command=" ".join(["python", *argv]),
-        autooffload=autooffload.__version__,
-        commit=git_commit(),
+        commit=git_commit("autooffload", "benchmarks/bench.py", "benchmarks/harness"),
         plan=dataclasses.asdict(plan),
     )
-
-
-def git_commit() -> str | None:
-    """The last commit that changed the measured code (the package and this script), with "-dirty" when it
-    has uncommitted changes; None outside a git checkout. Not HEAD: committing results must not orphan it."""
-    root = Path(__file__).resolve().parents[1]
-    code = ["--", "autooffload", "benchmarks/bench.py"]
-    try:
-        last = subprocess.run(["git", "log", "-1", "--format=%H", *code], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", *code], cwd=root, capture_output=True, text=True)
-    except OSError:
-        return None
-    if last.returncode != 0 or not last.stdout.strip():
-        return None
-    return last.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def mib(value: int | None) -> str:
@@ -505,8 +357,7 @@ def write_results(out: Path, env: dict[str, Any], rows: list, mixed: dict | None
         if "results.png not written: matplotlib is not installed" not in notes:
             notes.append("results.png not written: matplotlib is not installed")
     data = dict(env, rows=rows, mixed=mixed, notes=notes)
-    (out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / "results.md").write_text(render_markdown(env, rows, mixed, notes))
+    written.write(out, "results", data, render_markdown(env, rows, mixed, notes), indent=2)
 
 
 def render_markdown(env: dict[str, Any], rows: list, mixed: dict | None, notes: list[str]) -> str:
@@ -618,11 +469,7 @@ def cpu_totals(values: dict, base: dict) -> str:
 
 
 def plot(path: Path, env: dict[str, Any], rows: list, mixed: dict | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = written.pyplot()
     cuda = env["device"] == "cuda"
     blocks = list(dict.fromkeys((r["layers"], r["hidden"], r["seq"]) for r in rows))
     names = [m for m in MODES if any(r["mode"] == m for r in rows)]
@@ -690,15 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
-    for key in [k for k in os.environ if k.startswith("AUTOOFFLOAD_")]:
-        print(f"bench: ignoring {key}: the benchmark sets its own settings", file=sys.stderr)
+    own_settings("bench", remove=False)
     warnings.simplefilter("ignore", FutureWarning)
     if options.threads or device == "cpu":
         torch.set_num_threads(options.threads or 1)
     plan = make_plan(device, options.quick, options.budget_s)
     clock = Clock(plan.budget_s)
     GC.start()
-    env = environment(plan, [sys.argv[0], *argv])
+    env = environment(plan, argv)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     mixed = None

@@ -24,10 +24,6 @@ The forms, and which one autooffload installs under compile (``autooffload/apply
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,12 +31,15 @@ import warnings
 from pathlib import Path
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ladder
-from bench import cpu_model
+from harness import results as written
+from harness.environment import cpu_name, load, stamp
+from harness.models import Shape, build_model, set_checkpointing
+from harness.rounds import rotated
+from harness.scenarios import SHAPES
+from harness.verdicts import spread
 
 from autooffload import OffloadController, Settings
 from autooffload.apply import functions
@@ -61,10 +60,10 @@ FORMS = (
 class Forms:
     """One compiled model and the functions of every form, installed one at a time."""
 
-    def __init__(self, shape: ladder.Shape, backend: str) -> None:
+    def __init__(self, shape: Shape, backend: str) -> None:
         self.shape = shape
-        self.model = ladder.build_model(shape, "cpu")
-        ladder.set_checkpointing(self.model, True)
+        self.model = build_model(shape, "cpu")
+        set_checkpointing(self.model, True)
         self.transformers = [layer._gradient_checkpointing_func for layer in self.model.model.layers]
         self.compiled = torch.compile(self.model, backend=backend)
         self.controller = OffloadController(Settings(mode="off"), probe=None)
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64
-    shape = ladder.SHAPES["quick" if options.quick else "cpu"]
+    shape = SHAPES["quick" if options.quick else "cpu"]
     rounds = 2 if options.quick else options.rounds
     seq = shape.short if options.quick else options.seq
     forms = Forms(shape, options.backend)
@@ -159,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     firsts: dict[str, list[float]] = {form: [] for form in FORMS}
     graphs = compiled_graphs()
     for r in range(rounds):
-        for i in range(len(FORMS)):
-            form = FORMS[(r + i) % len(FORMS)]
+        for form in rotated(FORMS, r):
             first, then = forms.step(form, seq, 100 + 2 * r)
             firsts[form].append(first)
             times[form].append(then)
@@ -169,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {
         form: dict(
             median_s=medians[form],
-            spread=(max(times[form]) - min(times[form])) / medians[form],
+            spread=spread(times[form]),
             vs_whole=medians[form] / medians["whole"],
             vs_transformers=medians[form] / medians["transformers"],
             first_step_s=statistics.median(firsts[form]),
@@ -177,14 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         for form in FORMS
     }
-    env = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=f"{cpu_model()}, 1 torch thread of {os.cpu_count()}, no GPU",
-        load=", ".join(f"{x:.2f}" for x in os.getloadavg()),
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        command=" ".join(["python", "benchmarks/compile_forms.py", *argv]),
+    env = stamp(
+        "compile_forms.py",
+        argv,
+        device=f"{cpu_name()}, no GPU",
+        load=load(),
         shape=str(shape),
         seq=seq,
         rounds=rounds,
@@ -208,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['vs_transformers']:.3f} | {row['first_step_s'] * 1e3:.1f} "
             f"| {row['warm_up']['graphs']}, {row['warm_up']['wall_s']:.0f} |"
         )
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "forms.json").write_text(json.dumps(dict(env, forms=rows), indent=1) + "\n")
-    (options.out / "forms.md").write_text("\n".join(lines) + "\n")
+    written.write(options.out, "forms", dict(env, forms=rows), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

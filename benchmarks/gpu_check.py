@@ -158,6 +158,8 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     import engine_check
     import mixed
     import torch
+    from harness.models import StepProbe
+    from harness.rounds import rotated
 
     if quick:
         config, seq = (2, 64, 128, 4, 2, 16, 256), 128
@@ -165,7 +167,7 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
         config, seq = (28, 2048, 6144, 16, 8, 128, 151936), 32768
     model = engine_check.qwen3(*config, torch.bfloat16, torch.device(device))
     total = torch.cuda.get_device_properties(0).total_memory if device.startswith("cuda") else 64 * 2**30
-    probe = mixed.HarnessProbe(total, device == "cpu")
+    probe = StepProbe(total, separate_host=device == "cpu")
     modes = [mixed.Mode(name, model, device, probe, None) for name in SEED_MODES]
     watch = mixed.GcWatch()
     rows: dict[str, list[dict[str, Any]]] = {mode.name: [] for mode in modes}
@@ -173,8 +175,7 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     for round_ in range(3):
         if round_ == 2 and (time.perf_counter() - started) * 1.5 > budget_s:
             break
-        for i in range(len(modes)):
-            mode = modes[(round_ + i) % len(modes)]
+        for mode in rotated(modes, round_):
             ids = engine_check.tokens(round_, 1, seq, config[-1], torch.device(device))
             row = mixed.run_step(mode, ids, device == "cpu", watch, decoder_loss)
             row["round"] = round_
@@ -591,9 +592,9 @@ def environment(device: str) -> dict[str, Any]:
             found[name] = "absent"
     if device.startswith("cuda") and torch.cuda.is_available():
         found["gpu"] = torch.cuda.get_device_name(0)
-    import mixed
+    from harness.forms import torchtune_offloading
 
-    tune, source = mixed.torchtune_offloading()
+    tune, source = torchtune_offloading()
     found["torchtune"] = source.split(" (")[0] if tune is not None else "absent"
     return found
 

@@ -38,31 +38,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
-import importlib.util
-import json
-import logging
-import os
 import platform
 import statistics
 import sys
 import time
-import types
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import enable_checkpointing, has_native_offload, install_save_on_cpu
-from ladder import Shape, build_model
+from harness import results as written
+from harness.environment import own_settings, stamp
+from harness.forms import Installed, torchtune_offloading
+from harness.models import Shape, StepProbe, build_model, token_ids
+from harness.rounds import StepClock, interleaved
+from harness.verdicts import faster_in_every_round, negated, ratio_range, shown, spread
+from harness.verdicts import ratios as verdicts_ratios
 
-import autooffload
-from autooffload import MemoryReading, OffloadController, OffloadStats, Settings
+from autooffload import OffloadController, Settings
 from autooffload.apply.host_memory import HostMemory
 from autooffload.observe.allocations import AllocationPeak
 from autooffload.observe.costs import GcWatch
@@ -92,96 +89,25 @@ def trace(shape: Shape) -> list[int]:
     return [shape.short, shape.short, shape.long, shape.short, shape.short]
 
 
-# ---- torchtune ------------------------------------------------------------------------------------------
-
-
-def torchtune_offloading() -> tuple[Any, str]:
-    """torchtune's ``OffloadActivations`` and ``NoOpManager``, and where they came from; ``(None, why)`` where not.
-
-    ``import torchtune`` needs torchao and the package's data stack (``datasets``, ``torchdata``, ...), which the
-    GPU machine lacks; its activation offloading needs none of them. Where the package is installed (its wheel
-    carried, ``pip install --no-deps``) but does not import, its ``training/_activation_offloading.py`` is loaded
-    on its own, with three names it imports only for other paths (torchao's ``NF4Tensor``, an ``isinstance`` in
-    an error path; ``TiedLinear`` and ``get_logger``, for its recipe helper) given stand-ins: the class itself
-    runs unchanged."""
-    try:
-        import torchtune
-        from torchtune.training import NoOpManager, OffloadActivations
-
-        return (OffloadActivations, NoOpManager), f"torchtune {torchtune.__version__}"
-    except Exception as error:  # ImportError, or a package that does not import on this torch: said, and loaded alone
-        why = f"import torchtune failed: {type(error).__name__}: {' '.join(str(error).split())}"
-    spec = importlib.util.find_spec("torchtune") if "torchtune" not in sys.modules else None
-    if spec is None or not spec.submodule_search_locations:
-        return None, f"torchtune is not installed ({why})"
-    path = Path(next(iter(spec.submodule_search_locations))) / "training" / "_activation_offloading.py"
-    stand_ins = {
-        "torchao": types.ModuleType("torchao"),
-        "torchao.dtypes": types.ModuleType("torchao.dtypes"),
-        "torchao.dtypes.nf4tensor": types.ModuleType("torchao.dtypes.nf4tensor"),
-        "torchtune": types.ModuleType("torchtune"),
-        "torchtune.modules": types.ModuleType("torchtune.modules"),
-        "torchtune.utils": types.ModuleType("torchtune.utils"),
-    }
-    stand_ins["torchao"].__version__ = "0"  # type: ignore[attr-defined]
-    stand_ins["torchao.dtypes.nf4tensor"].NF4Tensor = type("NF4Tensor", (), {})  # type: ignore[attr-defined]
-    stand_ins["torchtune.modules"].TiedLinear = type("TiedLinear", (), {})  # type: ignore[attr-defined]
-    stand_ins["torchtune.utils"].get_logger = lambda level=None: logging.getLogger("torchtune")  # type: ignore[attr-defined]
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    try:
-        sys.modules.update(stand_ins)
-        module_spec = importlib.util.spec_from_file_location("torchtune_activation_offloading", path)
-        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as error:
-        return None, f"{why}; loading {path.name} alone failed too ({type(error).__name__}: {error})"
-    finally:
-        for name, before in saved.items():
-            sys.modules.pop(name) if before is None else sys.modules.__setitem__(name, before)
-    version = _installed_version("torchtune")
-    return (module.OffloadActivations, module.NoOpManager), f"torchtune {version}, {path.name} loaded alone ({why})"
-
-
-def _installed_version(name: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
 # ---- modes ----------------------------------------------------------------------------------------------
 
 
-class HarnessProbe:
-    """The step's reading as the harness measured it (:func:`run_step`), at most the device's size."""
+class Mode(Installed):
+    """One mode on the shared model (:class:`harness.forms.Installed`; module docs)."""
 
-    def __init__(self, total: int, cpu: bool) -> None:
-        self.total, self.last = total, None
-        self.separate_host = cpu  # offloaded inputs leave torch's CPU allocator, as they would leave a GPU
-
-    def read(self) -> MemoryReading | None:
-        return None if self.last is None else MemoryReading(min(self.last, self.total), self.total)
-
-
-class Mode:
-    """One mode on the shared model: installed before each of its steps and taken off after (module docs)."""
-
-    def __init__(self, name: str, model: torch.nn.Module, device: str, probe: HarnessProbe, tune: Any) -> None:
-        self.name, self.model, self.device, self.probe = name, model, device, probe
-        self.native = name == "offload=True" and device == "cuda" and has_native_offload(model)
-        self.stats = OffloadStats() if name == "offload=True" and not self.native else None
-        self.controller: OffloadController | None = None
+    def __init__(self, name: str, model: torch.nn.Module, device: str, probe: StepProbe, tune: Any) -> None:
         self.host: HostMemory | None = None
-        self.offloading: Any = None
+        controller = None
         if name in AUTOOFFLOAD:
             mode, engine, recompute = AUTOOFFLOAD[name]
             given = {k: v for k, v in (("engine", engine), ("recompute", recompute)) if v is not None}
             settings = Settings(mode=mode, memory_high=HIGH, memory_low=HIGH - 0.1, **given)
             self.host = HostMemory(copy_cpu=device == "cpu")
-            self.controller = OffloadController(settings, probe=probe, host=self.host)
-        elif name == "torchtune":
+            controller = OffloadController(settings, probe=probe, host=self.host)
+        super().__init__(model, device, offload=name == "offload=True", controller=controller)
+        self.name, self.probe = name, probe
+        self.offloading: Any = None
+        if name == "torchtune":
             offload, no_op = tune
             self.offloading = offload()
             quiet = no_op()  # the output head is not offloaded, as torchtune's recipes arrange
@@ -191,18 +117,14 @@ class Mode:
         self.steps: list[dict[str, Any]] = []
 
     def activate(self) -> None:
-        enable_checkpointing(self.model, native_offload=self.native)
-        if self.stats is not None:
-            install_save_on_cpu(self.model, self.device, self.stats)
+        super().activate()
         if self.controller is not None:
-            self.controller.attach(self.model)
             self.controller.begin_step()  # the step's boundary, outside its clock (Trainer's on_step_begin)
         self.active = True
 
     def deactivate(self) -> None:
         self.active = False
-        if self.controller is not None:
-            self.controller.detach()
+        super().deactivate()
 
     def forward(self) -> contextlib.AbstractContextManager:
         return self.offloading if self.offloading is not None else contextlib.nullcontext()
@@ -229,34 +151,21 @@ def run_step(
     CPU time), the step's peak, the plan, Python's collections, and autooffload's own costs."""
     model, cuda = mode.model, ids.device.type == "cuda"
     mode.activate()
-    window = AllocationPeak() if cpu_peaks else None
+    window = AllocationPeak() if cpu_peaks and not cuda else None
     try:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        elif window is not None:
+        if window is not None:
             gc.collect()  # a block freed by the collector inside the window would lower its count
         collections, gc_seconds = watch.collections, watch.seconds  # the step's own, not the collection above
-        if cuda:
-            start.record()
-        else:
-            began = time.process_time()
+        with StepClock(cuda) as clock:
             if window is not None:
                 window.start()
-        with mode.forward():
-            loss = loss_of(model, ids)
-        plan = mode.plan()
-        loss.backward()
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            seconds, peak = start.elapsed_time(end) / 1e3, int(torch.cuda.max_memory_allocated())
-        else:
-            seconds = time.process_time() - began
-            above = window.stop() if window is not None else None
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            peak = None if above is None else weights + above
+            with mode.forward():
+                loss = loss_of(model, ids)
+            plan = mode.plan()
+            loss.backward()
+        seconds, peak = clock.seconds, clock.peak
+        if window is not None:
+            peak = sum(p.numel() * p.element_size() for p in model.parameters()) + window.stop()
         del loss
         model.zero_grad(set_to_none=True)
         row = dict(seq=int(ids.shape[-1]), seconds=seconds, peak=peak, offloaded=plan[0], kept=plan[1])
@@ -275,20 +184,15 @@ def run_step(
 
 def calibrate(model: torch.nn.Module, shape: Shape, device: str, tune: Any, total: int, watch: GcWatch) -> dict:
     """Peaks of a long and a short micro-batch with every layer recomputing and with every layer offloaded."""
-    probe = HarnessProbe(total, device == "cpu")
+    probe = StepProbe(total, separate_host=device == "cpu")
     found = {}
     for name in ("plain", "on/sync"):
         mode = Mode(name, model, device, probe, tune)
         for seq in (shape.long, shape.short):
-            ids = token_ids(shape, seq, seed=seq, device=device)
+            ids = token_ids(shape.vocab, seq, seq, device)
             found[f"{name}_{seq}"] = run_step(mode, ids, device == "cpu", watch)["peak"]
         mode.close()
     return found
-
-
-def token_ids(shape: Shape, seq: int, seed: int, device: str) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, shape.vocab, (1, seq), generator=generator).to(device)
 
 
 def run_variant(
@@ -296,7 +200,7 @@ def run_variant(
     names: list[str], watch: GcWatch, deadline: float,
 ) -> dict[str, Any]:  # fmt: skip
     """The warm-up pass and up to ``passes`` timed passes (fewer where ``deadline`` would pass), every mode."""
-    probe = HarnessProbe(total, device == "cpu")
+    probe = StepProbe(total, separate_host=device == "cpu")
     modes = [Mode(name, model, device, probe, tune) for name in names]
     lengths = trace(shape)
     began = time.monotonic()
@@ -305,20 +209,17 @@ def run_variant(
     for index in range(passes + 1):
         if index >= 2 and time.monotonic() + (time.monotonic() - began) / index > deadline:
             break  # another pass would end past the deadline: what ran is reported
-        for i, seq in enumerate(lengths):
-            ids = token_ids(shape, seq, seed=1000 * index + i, device=device)
-            for j in range(len(modes)):
-                mode = modes[(index + i + j) % len(modes)]
-                if mode.name in failed:
-                    continue
-                try:
-                    row = run_step(mode, ids, device == "cpu", watch)
-                except Exception as error:  # one mode that cannot run (a peer on this torch) leaves the others be
-                    failed[mode.name] = f"failed at pass {index}: {type(error).__name__}: {str(error)[:300]}"
-                    model.zero_grad(set_to_none=True)
-                    continue
-                row["pass"] = index
-                mode.steps.append(row)
+        for _, i, seq, mode in interleaved(range(index, index + 1), lengths, modes):
+            if mode.name in failed:
+                continue
+            try:
+                row = run_step(mode, token_ids(shape.vocab, seq, 1000 * index + i, device), device == "cpu", watch)
+            except Exception as error:  # one mode that cannot run (a peer on this torch) leaves the others be
+                failed[mode.name] = f"failed at pass {index}: {type(error).__name__}: {str(error)[:300]}"
+                model.zero_grad(set_to_none=True)
+                continue
+            row["pass"] = index
+            mode.steps.append(row)
         timed_passes = index
     for mode in modes:
         mode.close()
@@ -339,7 +240,7 @@ def summarise(steps: list[dict[str, Any]], passes: int, limit: float, shape: Sha
     return dict(
         pass_s=totals,
         median_s=median,
-        spread=(max(totals) - min(totals)) / median if totals else None,
+        spread=spread(totals) if totals else None,
         warmup_s=sum(s["seconds"] for s in steps if s["pass"] == 0),
         short_median_s=statistics.median([s["seconds"] for s in timed if s["seq"] == shape.short] or [float("nan")]),
         long_median_s=statistics.median([s["seconds"] for s in timed if s["seq"] == shape.long] or [float("nan")]),
@@ -358,18 +259,20 @@ def summarise(steps: list[dict[str, Any]], passes: int, limit: float, shape: Sha
 # ---- comparisons and verdicts ----------------------------------------------------------------------------
 
 
+def passes(result: dict[str, Any], a: str, b: str) -> tuple[list[float], list[float]]:
+    """A's and B's pass totals (none where either did not run)."""
+    modes = result["modes"]
+    return (modes[a]["pass_s"], modes[b]["pass_s"]) if a in modes and b in modes else ([], [])
+
+
 def ratios(result: dict[str, Any], a: str, b: str) -> list[float]:
     """A's pass totals over B's, pass by pass (the passes are interleaved: a drift moves both)."""
-    modes = result["modes"]
-    if a not in modes or b not in modes:
-        return []
-    return [x / y for x, y in zip(modes[a]["pass_s"], modes[b]["pass_s"], strict=True)]
+    return verdicts_ratios(*passes(result, a, b))
 
 
 def faster(result: dict[str, Any], a: str, b: str) -> bool | None:
-    """A faster than B: below it in every timed pass (the whole spread of the ratios under 1); None: not run."""
-    found = ratios(result, a, b)
-    return (max(found) < 1) if found else None
+    """A faster than B: below it in every timed pass; None: not run."""
+    return faster_in_every_round(*passes(result, a, b))
 
 
 def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
@@ -381,12 +284,12 @@ def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
         out["auto_faster_than_offload_true"] = faster(room, "auto", "offload=True")
         out["auto_stream_faster_than_offload_true"] = faster(room, "auto/stream", "offload=True")
         out["auto_stream_keep_faster_than_offload_true"] = faster(room, "auto/stream/keep", "offload=True")
-        out["auto_stream_not_slower_than_auto"] = _not(faster(room, "auto", "auto/stream"))
+        out["auto_stream_not_slower_than_auto"] = negated(faster(room, "auto", "auto/stream"))
         if "on/stream" in modes and "plain" in modes:
             out["on_stream_long_within_1pct_of_plain"] = (
                 modes["on/stream"]["long_median_s"] <= 1.01 * modes["plain"]["long_median_s"]
             )
-        out["on_stream_not_slower_than_torchtune"] = _not(faster(room, "torchtune", "on/stream"))
+        out["on_stream_not_slower_than_torchtune"] = negated(faster(room, "torchtune", "on/stream"))
         keep = ratios(room, "auto/stream/keep", "plain")
         out["keep_at_most_085_of_plain"] = (statistics.median(keep) <= 0.85 and max(keep) < 1) if keep else None
     if budget is not None:
@@ -400,12 +303,8 @@ def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
                 <= modes["auto/stream"]["warmup_steps_over_budget"]
             )
         out["budget_auto_faster_than_offload_true"] = faster(budget, "auto", "offload=True")
-        out["budget_keep_not_slower_than_auto_stream"] = _not(faster(budget, "auto/stream", "auto/stream/keep"))
+        out["budget_keep_not_slower_than_auto_stream"] = negated(faster(budget, "auto/stream", "auto/stream/keep"))
     return out
-
-
-def _not(value: bool | None) -> bool | None:
-    return None if value is None else not value
 
 
 # ---- output ---------------------------------------------------------------------------------------------
@@ -449,19 +348,12 @@ def render(report: dict[str, Any]) -> str:
         for name, why in result.get("skipped", {}).items():
             lines.append(f"| {name} | skipped: {why} |||||||||||")
         lines.append("")
-    lines += ["## Verdicts", ""] + [f"- {k}: {_shown(v)}" for k, v in report["verdicts"].items()]
+    lines += ["## Verdicts", ""] + [f"- {k}: {shown(v)}" for k, v in report["verdicts"].items()]
     return "\n".join(lines) + "\n"
 
 
 def _ratio(result: dict[str, Any], a: str, b: str) -> str:
-    found = ratios(result, a, b)
-    if not found or a == b:
-        return "-"
-    return f"{statistics.median(found):.3f} [{min(found):.3f}, {max(found):.3f}]"
-
-
-def _shown(value: bool | None) -> str:
-    return "not measured" if value is None else ("PASS" if value else "FAIL")
+    return "-" if a == b else ratio_range(ratios(result, a, b))
 
 
 # ---- entry point ----------------------------------------------------------------------------------------
@@ -512,9 +404,7 @@ def measure(
 
 
 def write(out: Path, report: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mixed.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "mixed.md").write_text(render(report))
+    written.write(out, "mixed", report, render(report))
 
 
 def environment(device: str, shape: Shape, argv: list[str], tune_source: str) -> dict[str, Any]:
@@ -523,17 +413,8 @@ def environment(device: str, shape: Shape, argv: list[str], tune_source: str) ->
         if device == "cuda"
         else f"{platform.processor() or 'cpu'}, torch threads {torch.get_num_threads()}"
     )
-    return dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=device,
-        device_name=name,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        autooffload=autooffload.__version__,
-        command=" ".join(["python", "benchmarks/mixed.py", *argv]),
-        shape=dataclasses.asdict(shape),
-        torchtune=tune_source,
+    return stamp(
+        "mixed.py", argv, device=device, device_name=name, shape=dataclasses.asdict(shape), torchtune=tune_source
     )
 
 
@@ -551,9 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
-    for key in [k for k in os.environ if k.startswith("AUTOOFFLOAD_")]:
-        os.environ.pop(key)
-        print(f"mixed: ignoring {key}: the benchmark sets its own settings", file=sys.stderr)
+    own_settings("mixed")
     warnings.simplefilter("ignore")
     if device == "cpu":
         torch.set_num_threads(1)

@@ -30,42 +30,30 @@ per length of the scenario, its loss and gradients against ``compile-plain``'s f
 "fits" when no timed step is over the budget and its warm-up is no worse than ``always``'s (the first step of a
 length, before any reading, is the policy's).
 
-Compiled modes share one model and one process, so each gets a backend of its own (dynamo keeps their graphs
-apart by backend) and dynamo's recompile limits are raised for the run. Graphs compiled in a step that also
-counted the peak make that count drop (the next step at the key counts again).
+The modes themselves are ``harness/peer_modes.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import dataclasses
-import datetime
-import inspect
-import json
-import os
-import platform
-import statistics
 import sys
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ladder
-from bench import cpu_model
-
-import autooffload
-from autooffload import OffloadController, Settings
-from autooffload.apply.compile_guard import CompiledFrames
-from autooffload.apply.host_memory import page_round, pageable
+from harness import results as written
+from harness import scenarios as ladder
+from harness.compiled import graph_breaks
+from harness.environment import cpu_name, load, own_settings, stamp
+from harness.forms import transformers_options
+from harness.peer_modes import Peer, compare_compiled
+from harness.verdicts import paired as paired_rounds
 
 EAGER = ("none", "plain", "always", "auto", "hf-offload", "sac", "every-2nd")
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
@@ -75,305 +63,6 @@ MODES = EAGER + COMPILED + LAYERS
 OURS = ("always", "auto", "compile-auto", "layers-auto")
 # Whom each of ours is held against round by round: the other modes of its kind.
 KIND = {"always": EAGER, "auto": EAGER, "compile-auto": COMPILED, "layers-auto": LAYERS}
-
-
-# ---- the peers ----------------------------------------------------------------------------------------------
-
-
-class HostSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
-    """``save_on_cpu`` on a machine without pinned memory: every tensor saved in the block is copied into a host
-    buffer of its own outside torch's allocator (an anonymous mapping) and copied back at its unpack."""
-
-    def __init__(self, pin_memory: bool = False, device_type: str = "cpu") -> None:
-        def pack(tensor: torch.Tensor) -> tuple:
-            nbytes = tensor.numel() * tensor.element_size()
-            host = pageable(page_round(nbytes))[:nbytes].view(tensor.dtype).view(tensor.shape)
-            host.copy_(tensor)
-            return tensor.device, host
-
-        def unpack(packed: tuple) -> torch.Tensor:
-            device, host = packed
-            return torch.empty(host.shape, dtype=host.dtype, device=device).copy_(host)
-
-        super().__init__(pack, unpack)
-
-
-@contextlib.contextmanager
-def transformers_offload_on_this_machine():
-    """transformers' ``offload=True`` as it runs on a device: on a CPU-only build its ``save_on_cpu`` is
-    :class:`HostSaveOnCpu` (pinning fails there at the first forward)."""
-    import transformers.modeling_utils as modeling_utils
-
-    original = modeling_utils.save_on_cpu
-    if not torch.cuda.is_available():
-        modeling_utils.save_on_cpu = HostSaveOnCpu
-    try:
-        yield
-    finally:
-        modeling_utils.save_on_cpu = original
-
-
-def torchtitan_policy() -> Any:
-    """torchtitan's op-level selective checkpointing policy, as a ``context_fn``: inside each checkpointed layer
-    the outputs of attention and of every other matmul are saved, everything else is recomputed."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    saved = {
-        aten.mm.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-    cudnn = getattr(aten, "_scaled_dot_product_cudnn_attention", None)
-    if cudnn is not None:
-        saved.add(cudnn.default)
-
-    def context_fn() -> Any:
-        counts: dict[str, int] = defaultdict(int)
-
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            key = "recompute" if ctx.is_recompute else "forward"
-            if op == aten.mm.default:
-                counts[key] += 1
-            keep = op in saved and not (op == aten.mm.default and counts[key] % 2 == 0)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return context_fn
-
-
-def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any], **options: Any) -> None:
-    """transformers' checkpointing with torch's checkpoint ``kwargs`` and its own ``options`` (``every_n_layers``,
-    ``offload``), under the name this release has."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(kwargs, **options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **options)
-
-
-def transformers_options() -> set[str]:
-    """The checkpointing options this transformers release takes: ``every_n_layers`` (5.16), ``offload`` (5.17)."""
-    model = transformers.PreTrainedModel
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    return set(inspect.signature(enable).parameters)
-
-
-def budget_backend(backend: str, budget: float | None) -> Any:
-    """A dynamo backend of its own (its graphs are kept apart from the other modes'), compiling under
-    ``activation_memory_budget=budget`` (None: the default)."""
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx as compile_graph
-    else:
-        from torch._dynamo.backends.registry import lookup_backend
-
-        compile_graph = lookup_backend(backend)
-
-    def compile_mode(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        patch = {} if budget is None else {"activation_memory_budget": budget}
-        with torch._functorch.config.patch(**patch):
-            return compile_graph(gm, example_inputs)
-
-    return compile_mode
-
-
-def give_up(frames: CompiledFrames) -> None:
-    """Dynamo gives up on these frames, as it does itself after a graph break in a loop."""
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    for code in frames.codes:
-        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
-
-
-def graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def frames_compiled() -> int:
-    """Frames dynamo traced so far (a compilation, with or without a graph: with the layers compiled in place, the
-    first step of an offloading form traces frames and compiles no graph, and its count held the tracing's own
-    allocations, 1.0125 of (c)'s budget against 0.9875 counted again: that mode's controller offloaded a second
-    layer for it)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return len(compilation_time_metrics.get("_compile.compile_inner", ()))
-
-
-def graph_breaks() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(sum(counters["graph_break"].values()))
-
-
-class Peer(ladder.Mode):
-    """One mode of this benchmark on the ladder's shared model (module docs)."""
-
-    def __init__(self, name: str, bench: ladder.Bench, backend: str = "inductor") -> None:
-        super().__init__(name if name in ("none", "plain", "always", "auto") else "_", bench)
-        self.name = name
-        self.compiled = name.startswith(("compile-", "layers-"))
-        self._compiled_model: Any = None
-        self.backend = backend
-        if name in ("compile-auto", "layers-auto"):
-            settings = Settings(recompute="auto", memory_high=ladder.HIGH, memory_low=ladder.HIGH - 0.1)
-            self.controller = OffloadController(settings, probe=self.probe)
-        self.graphs = {"warm-up": 0, "timed": 0}
-        self.compiled_timed_steps = 0
-        self.warmup_wall_s = 0.0
-        self._configured = False
-        self._given_up = False  # this mode's eager-frame functions made dynamo give up the model's frames
-        if self.compiled:
-            # A model of its own, set up once: re-enabling checkpointing every step installs new objects dynamo
-            # guards on (a new partial, a new input-grad hook), and every step would compile again. The
-            # controller stays attached to it, as in a run.
-            self.model = copy.deepcopy(bench.model)
-            self.persistent = True
-            self.frames = CompiledFrames(self.model)
-
-    def configure(self, model: torch.nn.Module) -> None:
-        if self.compiled and self._configured:
-            return
-        self._configured = True
-        name = self.name
-        kwargs: dict[str, Any] = {"use_reentrant": False}
-        if name == "none" or (name.startswith("compile-") and name[len("compile-") :][0].isdigit()):
-            ladder.set_checkpointing(model, False)
-            return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if name == "sac":
-                kwargs["context_fn"] = torchtitan_policy()
-                enable_checkpointing(model, kwargs)
-            elif name == "every-2nd":
-                enable_checkpointing(model, kwargs, every_n_layers=2)
-            elif name == "hf-offload":
-                enable_checkpointing(model, kwargs, offload=True)
-            else:
-                ladder.set_checkpointing(model, True)
-        if name.startswith("layers-"):  # each decoder layer compiled in place; the rest of the model runs eagerly
-            for layer in model.model.layers:
-                layer.compile(backend=budget_backend(self.backend, None))
-
-    def runner(self, model: torch.nn.Module) -> Any:
-        if not self.compiled or self.name.startswith("layers-"):
-            return model
-        if self._compiled_model is None:
-            suffix = self.name[len("compile-") :]
-            budget = float(suffix) if suffix[0].isdigit() else None
-            self._compiled_model = torch.compile(model, backend=budget_backend(self.backend, budget))
-        return self._compiled_model
-
-    def dynamo_state(self) -> None:
-        """Dynamo's frames as they would be in a process of this mode's own: given up on where this mode's
-        eager-frame functions made dynamo give up (and autooffload did not give them back yet), else compiled.
-        The modes share one process, and a frame dynamo gives up on is given up for every model of its class
-        (autooffload's record of it too, ``CompiledFrames.GIVEN_UP``): each mode's own is put back before its
-        step and kept after it. Only then: a resume also gives back the frames dynamo gave up on for reasons of its
-        own (transformers 5.25's checkpointing breaks the graph in five places), and giving them back before every
-        step made compiled plain checkpointing trace them again in every step (17x plain's time)."""
-        if self._given_up and not self.name.startswith("layers-"):
-            give_up(self.frames)
-            self.frames.give_up()
-        elif self.frames.given_up:  # another mode's eager-frame plan gave them up: given back as this process has them
-            self.frames.resume()
-
-    def step(self, seq: int, seed: int, timed: bool = True, **how: Any) -> dict:
-        if self.compiled:
-            self.dynamo_state()
-        graphs, frames, wall = graphs_compiled(), frames_compiled(), time.perf_counter()
-        offload = transformers_offload_on_this_machine() if self.name == "hf-offload" else contextlib.nullcontext()
-        with offload:
-            row = super().step(seq, seed, timed=timed, **how)
-        if self.compiled:
-            self._given_up = self.frames.given_up
-        self.graphs["timed" if timed else "warm-up"] += graphs_compiled() - graphs
-        compiled = frames_compiled() != frames
-        if not timed:
-            self.warmup_wall_s += time.perf_counter() - wall
-        if compiled and timed:
-            self.compiled_timed_steps += 1
-        if compiled and row["profiled"]:  # the count holds the compilation's own allocations: count it again
-            self.bench.counts.pop(self._last_key, None)
-        row["compiled"] = compiled  # a reading no controller took as a sample (its warm-up's count leaves it out)
-        return row
-
-    def _cpu_step(self, model: torch.nn.Module, inputs: list[torch.Tensor], seq: int, autocast: bool) -> tuple:
-        frames = frames_compiled()
-        result = super()._cpu_step(model, inputs, seq, autocast)
-        if frames_compiled() != frames and self.controller is not None:
-            # The compilation's own allocations are in this step's peak: no sample of training (as an evaluation
-            # inside a step would not be) for compile-auto's policy and keep planner.
-            self.controller.memory.note_side_work()
-        return result
-
-    def settle(self, lengths: list[int], how: dict[str, Any]) -> None:
-        """A compiled mode runs the trace, untimed, until a pass compiles nothing (at most 4 passes): the timed
-        rounds then time steps, not compilations (``compile-auto``'s plans settle, and dynamo gets its frames back
-        after the measuring micro-batches, a graph of its own to compile once)."""
-        for _ in range(4 if self.compiled else 0):
-            frames = frames_compiled()
-            for seq in lengths:
-                self.step(seq, seed=seq + 1, timed=False, **how)
-            if frames_compiled() == frames:
-                break
-
-    def key(self, seq: int, tokens: int, plan: tuple[int, int], autocast: bool, forwards: int) -> tuple:
-        self._last_key = super().key(seq, tokens, plan, autocast, forwards)
-        return self._last_key
-
-
-# ---- losses and gradients of compiled auto against compiled plain ---------------------------------------------
-
-
-def compare_compiled(
-    bench: ladder.Bench, peers: dict[str, Peer], scenario: ladder.Scenario, plain: str = "compile-plain"
-) -> list[dict]:
-    """Per length of the scenario, one step of ``plain`` (``compile-plain`` or ``layers-plain``) and one of its
-    ``auto`` (as planned now) on the same input: the loss and every gradient, their largest differences."""
-    auto = plain.replace("-plain", "-auto")
-    if plain not in peers or auto not in peers:
-        return []
-    rows = []
-    for seq in sorted(set(scenario.lengths)):
-        grads = {}
-        for name in (plain, auto):
-            peer = peers[name]
-            model = peer.model
-            peer.configure(model)
-            peer.dynamo_state()
-            try:
-                ids = bench.ids(seq, 7, scenario.batch)
-                with torch.autocast(bench.device, dtype=torch.bfloat16, enabled=scenario.autocast):
-                    loss = peer.runner(model)(input_ids=ids, labels=ids).loss
-                loss.backward()
-                plan = peer.plan()
-                grads[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, plan)
-            finally:
-                model.zero_grad(set_to_none=True)
-                if peer.controller is not None:
-                    peer.controller.end_step()
-        (loss_a, grads_a, _), (loss_b, grads_b, plan) = grads[plain], grads[auto]
-        rows.append(
-            dict(
-                plain=plain,
-                auto=auto,
-                seq=seq,
-                auto_plan=plan,
-                loss_equal=bool(torch.equal(loss_a, loss_b)),
-                grads_equal=all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a),
-                loss_diff=float((loss_a - loss_b).abs()),
-                grad_diff_rel=max(
-                    float((grads_a[n] - grads_b[n]).abs().max() / grads_a[n].abs().max().clamp_min(1e-30))
-                    for n in grads_a
-                ),
-            )
-        )
-    return rows
 
 
 # ---- a scenario -----------------------------------------------------------------------------------------------
@@ -421,20 +110,8 @@ def run(bench: ladder.Bench, name: str, scenario: ladder.Scenario, rounds: int, 
 
 
 def paired(values: dict[str, Any], ours: str, peer: str) -> dict[str, Any]:
-    """``ours`` against ``peer`` round by round. A round runs every mode step by step, interleaved, so what moves a
-    whole round (the shared machine's other load, its clock) moves both: the per-round ratio cancels it, where each
-    mode's own spread (slowest - fastest round) holds it twice. Beyond the spread: the ratio on one side of 1 in
-    every round."""
-    ratios = [a / b for a, b in zip(values[ours]["round_s"], values[peer]["round_s"], strict=True)]
-    low, high = min(ratios), max(ratios)
-    return dict(
-        median=statistics.median(ratios),
-        low=low,
-        high=high,
-        faster_rounds=sum(r < 1 for r in ratios),
-        rounds=len(ratios),
-        beyond=high < 1 or low > 1,
-    )
+    """``ours`` against ``peer`` round by round (:func:`harness.verdicts.paired`)."""
+    return paired_rounds(values[ours]["round_s"], values[peer]["round_s"])
 
 
 def fastest_fitting(values: dict[str, Any], modes: list[str] | tuple[str, ...]) -> str | None:
@@ -607,19 +284,12 @@ def render(env: dict[str, Any], results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load() -> str:
-    try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "-"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--rounds", type=int, help="timed passes over each trace (default 12; --quick 1)")
-    parser.add_argument("--scenario", nargs="*", choices=tuple(ladder.TARGETS), help="default: all; --quick: a b c")
+    parser.add_argument("--scenario", nargs="*", choices=ladder.NAMES, help="default: all; --quick: a b c")
     parser.add_argument("--modes", nargs="*", choices=MODES, help="default: all")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--quick", action="store_true", help="the ladder's tiny model and one round: checks the script")
@@ -630,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "5.25 (docs/compile.md)",
     )
     options = parser.parse_args(argv)
-    for key in [k for k in os.environ if k.startswith("AUTOOFFLOAD_")]:
-        os.environ.pop(key)
-        print(f"peers: ignoring {key}: the benchmark sets its own settings", file=sys.stderr)
+    own_settings("peers")
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     # Every compiled mode keeps its own graphs for each length and plan, all on the same frames.
@@ -641,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = options.skip_side_effects
     rounds = options.rounds or (1 if options.quick else 12)
     shape = ladder.SHAPES["quick" if options.quick else "cpu"]
-    names = options.scenario or (["a", "b", "c"] if options.quick else list(ladder.TARGETS))
+    names = options.scenario or (["a", "b", "c"] if options.quick else list(ladder.NAMES))
     modes = options.modes or list(MODES)
     for mode, option in (("every-2nd", "every_n_layers"), ("hf-offload", "offload")):
         if mode in modes and option not in transformers_options():
@@ -650,14 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = ladder.Bench(shape, "cpu")
     hybrid = ladder.Bench(shape, "cpu", "jamba") if "f" in names else None
     plans, readings = ladder.budgets(bench, hybrid, names)
-    env = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device_name=f"{cpu_model()}, 1 torch thread of {os.cpu_count()}, no GPU",
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        autooffload=autooffload.__version__,
-        command=" ".join(["python", "benchmarks/peers.py", *argv]),
+    env = stamp(
+        "peers.py",
+        argv,
+        device_name=f"{cpu_name()}, no GPU",
         shape=dataclasses.asdict(shape),
         rounds=rounds,
         backend=options.backend,
@@ -666,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         calibration=readings,
         load_before=load(),
     )
-    options.out.mkdir(parents=True, exist_ok=True)
     results = []
     for scenario in names:
         plan = plans[scenario]
@@ -676,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         result["wall_s"] = time.perf_counter() - started
         results.append(result)
         env["load_after"] = load()
-        (options.out / "peers.json").write_text(json.dumps(dict(env, results=results), indent=1, default=str) + "\n")
-        (options.out / "peers.md").write_text(render(env, results))
+        written.write(options.out, "peers", dict(env, results=results), render(env, results))
         print(f"peers: scenario {scenario} done ({result['wall_s']:.0f} s)", file=sys.stderr)
     print((options.out / "peers.md").read_text())
     return 0

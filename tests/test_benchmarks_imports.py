@@ -1,6 +1,8 @@
-"""The shape benchmarks/ keeps: no import circle among its scripts and modules, and the conformance sweep's package
-(``benchmarks/conformance/``) in layers that import only downwards, each module short enough to read in one sitting.
-Read from the source (ast), importing nothing: no torch here."""
+"""The shape benchmarks/ keeps: no import circle among its scripts and modules; one shared harness
+(``benchmarks/harness/``) that imports nothing of the scripts, and scripts that take their rounds and verdicts from it
+rather than from each other; and the conformance sweep's package (``benchmarks/conformance/``) in layers that import
+only downwards, each module short enough to read in one sitting. Read from the source (ast), importing nothing: no
+torch here."""
 
 from __future__ import annotations
 
@@ -73,6 +75,10 @@ def layer_of(name: str) -> int:
 
 
 SWEEP = {name: path for name, path in MODULES.items() if name == PACKAGE or name.startswith(PACKAGE + ".")}
+HARNESS = {name: path for name, path in MODULES.items() if name == "harness" or name.startswith("harness.")}
+SCRIPTS = {name: path for name, path in MODULES.items() if path.parent == BENCHMARKS}
+# The GPU check's parts are other scripts' quick runs: it is the one script that imports scripts.
+RUNS_OTHER_SCRIPTS = {"gpu_check"}
 
 
 def test_the_finder_sees_the_imports_it_is_there_for():
@@ -80,7 +86,7 @@ def test_the_finder_sees_the_imports_it_is_there_for():
     assert "conformance.quirks" in imports(MODULES["conformance.models"])
     assert "conformance.upstream" in imports(MODULES["conformance.rows"])
     assert "conformance.tiny" in imports(MODULES["conformance.quirks.text"])
-    assert {"bench", "ladder"} <= imports(MODULES["mixed"])
+    assert {"harness.models", "harness.forms"} <= imports(MODULES["mixed"])
 
 
 def test_no_import_circle_in_benchmarks():
@@ -108,4 +114,22 @@ def test_the_package_file_imports_nothing():
 
 def test_no_module_of_the_sweep_is_longer_than_a_sitting():
     long = {name: n for name, path in SWEEP.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
+    assert not long, f"modules over {MODULE_LINES} lines: {long}"
+
+
+def test_the_harness_imports_nothing_outside_it():
+    """The harness is the bottom of benchmarks/: a script's change cannot reach another script through it."""
+    for name, path in HARNESS.items():
+        outside = {other for other in imports(path) if other not in HARNESS}
+        assert not outside, f"{name} imports {sorted(outside)}, outside the harness"
+
+
+def test_a_question_script_takes_shared_pieces_from_the_harness_not_from_another_script():
+    for name, path in SCRIPTS.items():
+        others = {other for other in imports(path) if other in SCRIPTS}
+        assert name in RUNS_OTHER_SCRIPTS or not others, f"{name} imports the scripts {sorted(others)}"
+
+
+def test_no_module_of_the_harness_is_longer_than_a_sitting():
+    long = {name: n for name, path in HARNESS.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
     assert not long, f"modules over {MODULE_LINES} lines: {long}"

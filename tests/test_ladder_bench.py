@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from autooffload import MemoryReading
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ladder_bench", ROOT / "benchmarks" / "ladder.py")
 ladder_bench = sys.modules["ladder_bench"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ladder_bench)
+from harness import scenarios  # noqa: E402  (the ladder's scenarios, modes and budgets: benchmarks/ on the path)
 
 
 @pytest.mark.one_suite("oldest")
@@ -44,26 +47,26 @@ def test_a_step_over_the_devices_size_reads_as_a_full_device_and_offload_follows
     than the device's size, a reading the controller drops as garbage (one probe-failed warning, hidden by the
     benchmark): on the H200, scenario (c)'s auto never had a reading and planned no offload at all (always, one
     layer from its one step under the size), every step over the budget."""
-    bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
+    bench = scenarios.Bench(scenarios.SHAPES["quick"], "cpu")
     seq, batch = bench.shape.long, bench.shape.offload_batch
-    plain = ladder_bench.reading(bench, "plain", seq, batch=batch)
-    mode = ladder_bench.Mode("auto", bench)
+    plain = scenarios.reading(bench, "plain", seq, batch=batch)
+    mode = scenarios.Mode("auto", bench)
     mode.probe.total = round(0.9 * plain)  # a step with every layer recomputing needs more than the device holds
     rows = [mode.step(seq, seed=seq, timed=False, batch=batch) for _ in range(3)]
     assert rows[0]["offload"] == 0 and rows[0]["reading"] > mode.probe.total  # no reading yet: nothing planned
     assert rows[1]["offload"] > 0 and rows[2]["offload"] > 0
     mode.probe.last = rows[0]["reading"]
-    assert mode.probe.read() == ladder_bench.MemoryReading(mode.probe.total, mode.probe.total)
+    assert mode.probe.read() == MemoryReading(mode.probe.total, mode.probe.total)
 
 
 def test_a_mode_keeps_its_host_buffers_across_its_steps():
     """One host memory manager per mode, kept across the mode's steps as one run keeps it (as bench.py does). Before,
     the controller made its own, released at every detach, so every step mapped and pinned its buffers anew: on the
     H200, ladder (c)'s always and auto were 4-5% slower than plain for it."""
-    bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
+    bench = scenarios.Bench(scenarios.SHAPES["quick"], "cpu")
     seq, batch = bench.shape.long, bench.shape.offload_batch
-    mode = ladder_bench.Mode("always", bench)
-    mode.probe.total = round(0.9 * ladder_bench.reading(bench, "plain", seq, batch=batch))
+    mode = scenarios.Mode("always", bench)
+    mode.probe.total = round(0.9 * scenarios.reading(bench, "plain", seq, batch=batch))
     allocations = []
     for _ in range(4):
         row = mode.step(seq, seed=seq, timed=False, batch=batch)
@@ -81,8 +84,8 @@ def test_a_timed_step_holds_no_whole_heap_collection_and_the_garbage_before_it_i
     class Node:
         pass
 
-    bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
-    mode = ladder_bench.Mode("plain", bench)
+    bench = scenarios.Bench(scenarios.SHAPES["quick"], "cpu")
+    mode = scenarios.Mode("plain", bench)
     before = gc.get_threshold()
     cycle = Node()
     cycle.self = cycle
@@ -109,9 +112,9 @@ def test_a_timed_step_holds_no_whole_heap_collection_and_the_garbage_before_it_i
 def test_a_round_that_raises_leaves_nothing_frozen():
     """The rounds run with what the warm-ups built frozen out of the collector; a step that raises must not leave it
     so (the process's models and graphs would never be collected again: a pytest session, a notebook)."""
-    bench = ladder_bench.Bench(ladder_bench.SHAPES["quick"], "cpu")
-    scenario = ladder_bench.Scenario([bench.shape.short], 10**12)
-    mode = ladder_bench.Mode("plain", bench)
+    bench = scenarios.Bench(scenarios.SHAPES["quick"], "cpu")
+    scenario = scenarios.Scenario([bench.shape.short], 10**12)
+    mode = scenarios.Mode("plain", bench)
     step = mode.step
 
     def failing(seq, seed, timed=True, **how):
@@ -121,5 +124,5 @@ def test_a_round_that_raises_leaves_nothing_frozen():
 
     mode.step = failing
     with pytest.raises(RuntimeError, match="a timed step failed"):
-        ladder_bench.run_scenario(bench, "a", scenario, 1, [mode])
+        scenarios.run_scenario(bench, "a", scenario, 1, [mode])
     assert gc.get_freeze_count() == 0

@@ -7,7 +7,6 @@ stack) in every form a layer takes (recompute, keep, offload)."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import re
 import sys
 import warnings
@@ -29,11 +28,9 @@ from autooffload.history import read_history
 from autooffload.observe.allocations import AllocationPeak
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("ladder_bench", ROOT / "benchmarks" / "ladder.py")
-ladder_bench = sys.modules.get("ladder_bench") or importlib.util.module_from_spec(spec)
-if "ladder_bench" not in sys.modules:
-    sys.modules["ladder_bench"] = ladder_bench
-    spec.loader.exec_module(ladder_bench)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import models as ladder_models  # noqa: E402  (the ladder benchmark's models)
+from harness.scenarios import SHAPES  # noqa: E402
 
 
 def _small() -> torch.nn.Module:
@@ -141,9 +138,9 @@ def test_the_peak_is_the_allocators_own_as_torch_profiler_shows_it(kind, plan):
     """On the ladder benchmark's models: the reading less what the step held at its start is, to the byte, the
     peak torch.profiler records for the same step; with checkpointing it is above the saved count (activations and
     every gradient) by the backward's recompute and transients, without it below (the two are never all alive)."""
-    shape = ladder_bench.SHAPES["quick"]
-    net = ladder_bench.build_model(shape, "cpu", kind)
-    ladder_bench.set_checkpointing(net, plan != "none")
+    shape = SHAPES["quick"]
+    net = ladder_models.build_model(shape, "cpu", kind)
+    ladder_models.set_checkpointing(net, plan != "none")
     ids = torch.randint(0, shape.vocab, (1, shape.long), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     readings = {}
