@@ -60,6 +60,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.verdicts import slope as fitted_slope
+
 from autooffload.decide import ladder
 from autooffload.decide.activations import LayerShape
 from autooffload.decide.peak import layer_work_bytes_per_token, logits_bytes_per_token
@@ -261,7 +264,7 @@ def calibrate(paths: Iterable[Path]) -> Calibration:
             c = hidden * dtype_bytes
             if len(plain) >= 2:
                 tokens = sorted(plain)
-                slope = _slope([(t, plain[t]["peak_bytes"]) for t in tokens])
+                slope = fitted_slope([(t, plain[t]["peak_bytes"]) for t in tokens])
                 estimate = (4 * hidden + 3 * 3 * hidden) * dtype_bytes + vocab * (dtype_bytes + 4)
                 scales.append(max(slope - layers * c, 0.0) / estimate)
             for t in sorted(set(plain) & set(on)):
@@ -279,13 +282,6 @@ def calibrate(paths: Iterable[Path]) -> Calibration:
         bandwidth=statistics.median(bandwidths) if bandwidths else None,
         source="measured: " + ", ".join(used),
     )
-
-
-def _slope(points: list[tuple[float, float]]) -> float:
-    mean_x = statistics.fmean(x for x, _ in points)
-    mean_y = statistics.fmean(y for _, y in points)
-    var = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
 
 
 # ---- the replay ----------------------------------------------------------------------------------------------

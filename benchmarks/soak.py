@@ -46,6 +46,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import results as written  # noqa: E402
+from harness.environment import load  # noqa: E402
+from harness.verdicts import slope  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "predictive-sync-always": {"policy": "predictive", "engine": "sync", "recompute": "always"},
@@ -210,11 +214,8 @@ def trend(samples: list[dict[str, Any]], key: str, steps: int) -> dict[str, floa
     points = [(s["step"], s[key]) for s in samples if s["step"] > WARMUP * steps]
     if len(points) < 2:
         points = [(s["step"], s[key]) for s in samples]
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
-    return {"first": ys[0], "last": ys[-1], "median": statistics.median(ys), "per_1000_steps": 1000 * slope}
+    ys = [y for _, y in points]
+    return {"first": ys[0], "last": ys[-1], "median": statistics.median(ys), "per_1000_steps": 1000 * slope(points)}
 
 
 def flat(key: str, t: dict[str, float], steps: int) -> bool:
@@ -251,11 +252,7 @@ def report(results: list[dict[str, Any]], out: Path) -> str:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = written.pyplot()
     figure, axes = plt.subplots(len(METRICS), 1, figsize=(10, 2.2 * len(METRICS)), sharex=True)
     for ax, (key, label) in zip(axes, METRICS.items(), strict=True):
         for result in results:
@@ -316,7 +313,7 @@ def header(options: argparse.Namespace) -> dict[str, Any]:
     ).stdout.strip()
     return {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU; load {os.getloadavg()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU; load ({load()})",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "code": commit,
