@@ -27,8 +27,8 @@ MODULE_LINES = 400
 
 def module_name(path: Path) -> str:
     """A module by the name it is imported with, benchmarks/ on the path (as its scripts put it): a script by its
-    name (``ladder``), a package's module by its dotted name (``conformance.rows``); a probe kept with its results,
-    in no package, by its path (nothing imports it)."""
+    name (``ladder``), a package's module by its dotted name (``conformance.rows``, ``probes.gc_per_step``); a file
+    in no package by its path."""
     parts = path.relative_to(BENCHMARKS).with_suffix("").parts
     packaged = all((BENCHMARKS.joinpath(*parts[:k]) / "__init__.py").exists() for k in range(1, len(parts)))
     if not packaged:
@@ -109,3 +109,12 @@ def test_the_package_file_imports_nothing():
 def test_no_module_of_the_sweep_is_longer_than_a_sitting():
     long = {name: n for name, path in SWEEP.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
     assert not long, f"modules over {MODULE_LINES} lines: {long}"
+
+
+def test_nothing_imports_a_probe_and_a_probe_imports_downward_only():
+    """A probe (benchmarks/probes/) answers one question from the benchmarks and the package below it: no script,
+    sweep module or other probe imports one, so rerunning or deleting a probe changes no other figure."""
+    probes = {name for name in MODULES if name == "probes" or name.startswith("probes.")}
+    assert len(probes) > 1, "benchmarks/probes/ holds no probe"
+    importers = {name: sorted(found) for name, path in MODULES.items() if (found := imports(path) & probes - {name})}
+    assert importers == {}
