@@ -118,3 +118,49 @@ def test_nothing_imports_a_probe_and_a_probe_imports_downward_only():
     assert len(probes) > 1, "benchmarks/probes/ holds no probe"
     importers = {name: sorted(found) for name, path in MODULES.items() if (found := imports(path) & probes - {name})}
     assert importers == {}
+
+
+def top_level_names(path: Path) -> set[str]:
+    """What ``import module`` gives a reader of ``path``'s module: the names its top level defines, assigns or
+    imports."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    return names
+
+
+def names_read_from_scripts(path: Path) -> dict[str, set[str]]:
+    """The attributes ``path`` reads from the benchmark scripts it imports whole (``import ladder``, then
+    ``ladder.SHAPES``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound = {
+        alias.asname or alias.name: resolve(alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if resolve(alias.name) in MODULES
+    }
+    read: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            read.setdefault(bound[node.value.id], set()).add(node.attr)
+    return read
+
+
+def test_every_name_a_probe_reads_from_a_script_is_still_there():
+    """Nothing imports a probe, so no run of the suite would notice a script's rename breaking one: the names each
+    probe reads (``ladder.SHAPES``, ``peers.paired``) must exist at the script's top level."""
+    missing = {
+        f"{name} reads {script}.{attr}"
+        for name, path in MODULES.items()
+        if name.startswith("probes.")
+        for script, attrs in names_read_from_scripts(path).items()
+        for attr in attrs - top_level_names(MODULES[script])
+    }
+    assert not missing, sorted(missing)
