@@ -702,17 +702,56 @@ def injected_once(function, fails):
     return failing
 
 
-def collective_fault_run(rank: int, inject: str) -> dict:
+def ddp_run(rank: int, offload: bool, levels: bool = False) -> dict:
     """A raw DDP loop (no accumulation: every micro-batch's backward all-reduces the gradients) over a tiny Qwen3,
-    with ``OffloadController`` unless ``inject`` is "none"; rank 1 fails between a collective's bookkeeping and its
-    ``torch.distributed`` call: building its second micro-batch's agreement ("agree"), making the side group before
-    the join at attach ("join"), or building the end's message in ``finish`` ("worst")."""
+    with ``OffloadController`` attached where ``offload`` (finished and detached after the last step). Returns the
+    losses, the parameters' digest, the agreement collectives made, the forward pre-hooks left on the model, the
+    AutoOffloadWarnings, and with ``levels`` the level each micro-batch ran."""
     import warnings
 
     from torch.nn.parallel import DistributedDataParallel
 
     from autooffload import AutoOffloadWarning
 
+    calls = count_collectives()
+    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    controller = OffloadController(Settings(), probe=None, policy=RecordingPolicy()) if offload else None
+    run, losses = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        if controller is not None:
+            controller.attach(model)
+            run = record_levels(controller) if levels else []
+        wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(len(LENGTHS)):
+            ids = batch(step, rank)
+            loss = wrapped(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if controller is not None:
+                controller.end_step()
+        if controller is not None:
+            controller.finish()
+            controller.detach()
+    return {
+        "losses": losses,
+        "parameters": parameter_digest(model),
+        "levels": run,
+        "collectives": calls[0],
+        "pre_hooks": len(model._forward_pre_hooks),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
+    }
+
+
+def collective_fault_run(rank: int, inject: str) -> dict:
+    """:func:`ddp_run`, with ``OffloadController`` unless ``inject`` is "none"; rank 1 fails between a collective's
+    bookkeeping and its ``torch.distributed`` call: building its second micro-batch's agreement ("agree"), making the
+    side group before the join at attach ("join"), or building the end's message in ``finish`` ("worst")."""
     real = {name: getattr(autooffload_distributed, name) for name in ("message", "AgreementGroup", "all_reduce_max")}
     if rank == 1 and inject == "agree":
         built = [0]
@@ -727,41 +766,11 @@ def collective_fault_run(rank: int, inject: str) -> dict:
     if rank == 1 and inject == "worst":
         ended = lambda *args, ended=False, **kwargs: ended  # noqa: E731
         autooffload_distributed.message = injected_once(real["message"], ended)
-    calls = count_collectives()
-    model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    controller = None if inject == "none" else OffloadController(Settings(), probe=None, policy=RecordingPolicy())
-    losses = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", AutoOffloadWarning)
-            if controller is not None:
-                controller.attach(model)
-            wrapped = DistributedDataParallel(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            for step in range(len(LENGTHS)):
-                ids = batch(step, rank)
-                loss = wrapped(input_ids=ids, labels=ids).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-                if controller is not None:
-                    controller.end_step()
-            if controller is not None:
-                controller.finish()
-                controller.detach()
+        return ddp_run(rank, offload=inject != "none")
     finally:
         for name, value in real.items():
             setattr(autooffload_distributed, name, value)
-    return {
-        "losses": losses,
-        "parameters": parameter_digest(model),
-        "collectives": calls[0],
-        "pre_hooks": len(model._forward_pre_hooks),
-        "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
-    }
 
 
 def collective_faults(rank: int, out: Path) -> dict:
@@ -771,7 +780,8 @@ def collective_faults(rank: int, out: Path) -> dict:
 
 class Experiment:
     """A user's training object whose attributes come from a dict (``self.cfg``): its ``__getattr__`` raises
-    ``KeyError``, not ``AttributeError``, for a name it lacks. Its :meth:`run` trains (a frame whose ``self`` it is)."""
+    ``KeyError``, not ``AttributeError``, for a name it lacks. Its :meth:`run` trains (a frame whose ``self`` it is,
+    on the stack through every step)."""
 
     def __init__(self, rank: int, offload: bool) -> None:
         self.cfg = {"rank": rank, "offload": offload}
@@ -780,44 +790,7 @@ class Experiment:
         return self.cfg[name]
 
     def run(self) -> dict:
-        import warnings
-
-        from torch.nn.parallel import DistributedDataParallel
-
-        from autooffload import AutoOffloadWarning
-
-        model = tiny_qwen3(LAYERS, HIDDEN, VOCAB, seed=0)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        controller = OffloadController(Settings(), probe=None, policy=RecordingPolicy()) if self.offload else None
-        calls = count_collectives()
-        levels, losses = [], []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", AutoOffloadWarning)
-            if controller is not None:
-                controller.attach(model)
-                levels = record_levels(controller)
-            wrapped = DistributedDataParallel(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            for step in range(len(LENGTHS)):
-                ids = batch(step, self.rank)
-                loss = wrapped(input_ids=ids, labels=ids).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-                if controller is not None:
-                    controller.end_step()
-            if controller is not None:
-                controller.finish()
-                controller.detach()
-        return {
-            "losses": losses,
-            "parameters": parameter_digest(model),
-            "levels": levels,
-            "collectives": calls[0],
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)],
-        }
+        return ddp_run(self.rank, self.offload, levels=True)
 
 
 def user_getattr(rank: int, out: Path) -> dict:

@@ -29,8 +29,8 @@ MODULE_LINES = 400
 
 def module_name(path: Path) -> str:
     """A module by the name it is imported with, benchmarks/ on the path (as its scripts put it): a script by its
-    name (``ladder``), a package's module by its dotted name (``conformance.rows``); a probe kept with its results,
-    in no package, by its path (nothing imports it)."""
+    name (``ladder``), a package's module by its dotted name (``conformance.rows``, ``probes.gc_per_step``); a file
+    in no package by its path."""
     parts = path.relative_to(BENCHMARKS).with_suffix("").parts
     packaged = all((BENCHMARKS.joinpath(*parts[:k]) / "__init__.py").exists() for k in range(1, len(parts)))
     if not packaged:
@@ -133,3 +133,58 @@ def test_a_question_script_takes_shared_pieces_from_the_harness_not_from_another
 def test_no_module_of_the_harness_is_longer_than_a_sitting():
     long = {name: n for name, path in HARNESS.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
     assert not long, f"modules over {MODULE_LINES} lines: {long}"
+
+
+def test_nothing_imports_a_probe_and_a_probe_imports_downward_only():
+    """A probe (benchmarks/probes/) answers one question from the benchmarks and the package below it: no script,
+    sweep module or other probe imports one, so rerunning or deleting a probe changes no other figure."""
+    probes = {name for name in MODULES if name == "probes" or name.startswith("probes.")}
+    assert len(probes) > 1, "benchmarks/probes/ holds no probe"
+    importers = {name: sorted(found) for name, path in MODULES.items() if (found := imports(path) & probes - {name})}
+    assert importers == {}
+
+
+def top_level_names(path: Path) -> set[str]:
+    """What ``import module`` gives a reader of ``path``'s module: the names its top level defines, assigns or
+    imports."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    return names
+
+
+def names_read_from_scripts(path: Path) -> dict[str, set[str]]:
+    """The attributes ``path`` reads from the benchmark scripts it imports whole (``import ladder``, then
+    ``ladder.SHAPES``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound = {
+        alias.asname or alias.name: resolve(alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if resolve(alias.name) in MODULES
+    }
+    read: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            read.setdefault(bound[node.value.id], set()).add(node.attr)
+    return read
+
+
+def test_every_name_a_probe_reads_from_a_script_is_still_there():
+    """Nothing imports a probe, so no run of the suite would notice a script's rename breaking one: the names each
+    probe reads (``ladder.SHAPES``, ``peers.paired``) must exist at the script's top level."""
+    missing = {
+        f"{name} reads {script}.{attr}"
+        for name, path in MODULES.items()
+        if name.startswith("probes.")
+        for script, attrs in names_read_from_scripts(path).items()
+        for attr in attrs - top_level_names(MODULES[script])
+    }
+    assert not missing, sorted(missing)

@@ -7,7 +7,11 @@ every layer checkpointed (a counter around the compiled step sees the compiled g
 autooffload's own counter (``SavedBytesCounter``): each storage once, parameters, buffers and the layer's own inputs
 not at all.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/results/2026-12-06-compiled-saved-cpu/saved_probe.py --out DIR
+Produced benchmarks/results/2026-12-06-compiled-saved-cpu/ (saved.json, saved.md):
+
+    OMP_NUM_THREADS=1 python benchmarks/probes/compiled_saved_bytes.py --out DIR [--backend inductor]
+
+A probe run once to answer one question (issue 39), not a benchmark the suite runs.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from autooffload.observe.saved import SavedBytesCounter, parameter_storages, storage_key, tensors_in
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import harness.scenarios as ladder  # noqa: E402  (the ladder's scenarios, models and modes)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import ladder
+from autooffload.observe.saved import SavedBytesCounter, parameter_storages, storage_key, tensors_in  # noqa: E402
 
 CASES = [(256, False), (1024, False), (1024, True)]  # (tokens, bf16 autocast)
 MiB = 2**20

@@ -1,12 +1,15 @@
 """What keep's margin costs: eager ``auto`` with the margin it ships with (keep_margin 0.05 of the device) and with
 narrower ones, side by side with plain checkpointing and every other layer, in the peers benchmark's eager scenarios.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/results/2026-12-05-keep-margin-cpu/margin_probe.py \
-        --out DIR --rounds 8 [--scenario b d e f] [--margins 0.02]
+Produced benchmarks/results/2026-12-05-keep-margin-cpu/ (margin.json, margin.md):
+
+    OMP_NUM_THREADS=1 python benchmarks/probes/keep_margin_cost.py \
+        --out DIR --rounds 8 --scenario e b d f --margins 0.02 0.0
 
 Each margin is a controller of its own (``Settings(keep_margin=...)``) on the ladder's shared model, its steps
 interleaved with the others' as in ``benchmarks/peers.py``. Writes ``margin.json`` (the ladder's per-mode values
-plus, for each margin, the round-by-round ratio against ``auto``), ``margin.md``, and prints the table.
+plus, for each margin, the round-by-round ratio against ``auto``), ``margin.md``, and prints the table. A probe run
+once to answer one question, not a benchmark the suite runs.
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import ladder  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import harness.scenarios as ladder  # noqa: E402  (the ladder's scenarios, models and modes)
 import peers  # noqa: E402
 import torch  # noqa: E402
 

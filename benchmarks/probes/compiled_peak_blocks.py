@@ -1,12 +1,16 @@
 """What a step holds at its peak in the ladder's (c), eager, with the layers compiled in place or the whole model.
 
-    OMP_NUM_THREADS=1 python benchmarks/results/2026-12-05-compile-peak-cpu/where.py MODES [BACKEND]
+Produced benchmarks/results/2026-12-05-compile-peak-cpu/ (its where.txt):
 
-MODES: a comma-separated list of ``eager-plain``, ``layers-plain``, ``compile-plain`` (transformers' checkpointing)
-and ``none-compiled`` (the whole model compiled without checkpointing); BACKEND: inductor (default) or another
-dynamo backend. For one step after three (so that nothing compiles in it), ``torch.profiler``'s memory records
-give the most the allocator held above the step's start, the blocks alive at that moment and the operation that
-allocated each (the largest six are printed). A probe run once to answer one question, not a benchmark.
+    OMP_NUM_THREADS=1 python benchmarks/probes/compiled_peak_blocks.py \
+        eager-plain,layers-plain,compile-plain,none-compiled inductor
+
+Arguments: MODES [BACKEND]. MODES: a comma-separated list of ``eager-plain``, ``layers-plain``, ``compile-plain``
+(transformers' checkpointing) and ``none-compiled`` (the whole model compiled without checkpointing); BACKEND:
+inductor (default) or another dynamo backend. For one step after three (so that nothing compiles in it),
+``torch.profiler``'s memory records give the most the allocator held above the step's start, the blocks alive at
+that moment and the operation that allocated each (the largest six are printed). A probe run once to answer one
+question, not a benchmark.
 """
 
 from __future__ import annotations
@@ -21,10 +25,9 @@ from pathlib import Path
 import torch
 from torch._C._profiler import _EventType
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import ladder  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import harness.scenarios as ladder  # noqa: E402  (the ladder's scenarios, models and modes)
 
 MiB = 2**20
 
