@@ -17,6 +17,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
+from gpu_parts.speed import SEED_MODES  # noqa: E402
 
 
 def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -58,7 +59,7 @@ def test_quick_cpu_run_exercises_every_part(tmp_path):
     assert room["auto"]["long_offloaded"] == [0, 0]  # a reading and the arithmetic: room, nothing to offload
     assert room["on/sync"]["long_offloaded"] == [2, 2] and room["auto/stream/keep"]["kept"][-1] == 2
     assert set(mixed["verdicts"]) >= {"auto_faster_than_offload_true", "auto_stream_keep_never_over_budget"}
-    assert set(parts["seed"]["modes"]) == set(gpu_check.SEED_MODES)
+    assert set(parts["seed"]["modes"]) == set(SEED_MODES)
     assert set(parts["pinning"]["runs"]) == {"omp1", "threads"}
     for pinned in parts["pinning"]["runs"].values():
         ways = [row["way"] for row in pinned["step"]]
