@@ -130,6 +130,20 @@ def test_a_question_script_takes_shared_pieces_from_the_harness_not_from_another
         assert name in RUNS_OTHER_SCRIPTS or not others, f"{name} imports the scripts {sorted(others)}"
 
 
+# The harness from the bottom up, as benchmarks/harness/__init__.py lists it: a module imports only those before it.
+HARNESS_ORDER = (
+    "environment", "verdicts", "results", "rounds", "compiled", "models", "forms", "scenarios", "peer_modes", "__init__"
+)  # fmt: skip
+
+
+def test_the_harness_imports_only_downwards():
+    assert {name.removeprefix("harness").lstrip(".") or "__init__" for name in HARNESS} == set(HARNESS_ORDER)
+    for name, path in HARNESS.items():
+        level = HARNESS_ORDER.index(name.removeprefix("harness").lstrip(".") or "__init__")
+        above = {other for other in imports(path) if HARNESS_ORDER.index(other.removeprefix("harness.")) >= level}
+        assert not above, f"{name} imports {sorted(above)} from its own level or above"
+
+
 def test_no_module_of_the_harness_is_longer_than_a_sitting():
     long = {name: n for name, path in HARNESS.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
     assert not long, f"modules over {MODULE_LINES} lines: {long}"
