@@ -2,26 +2,11 @@
 
     python benchmarks/bench.py --out DIR [--device cpu|cuda] [--quick]
 
-Modes, on the same model with the same weights and inputs:
-
-- ``checkpointing``: activation checkpointing alone (torch's non-reentrant checkpoint), the baseline;
-- ``always``: every checkpointed input to host memory, all the time. transformers' native ``offload=True``
-  where the installed release has it (5.17+) and the device is a GPU; otherwise the same wrap it makes,
-  torch's ``save_on_cpu``, installed here (on a CPU-only build the native option fails asking for pinned
-  memory, so the CPU run uses ``pin_memory=False``, and there the "copy" to the host is a no-op);
-- ``on``: autooffload with ``mode="on"`` (its own hooks, bytes counted; on a GPU a copy into pinned host memory);
-- ``auto``: autooffload's OffloadController with the default (predictive) policy; on the GPU with the default
-  settings and the device's memory reading, on the CPU (no reading) with the sequence thresholds scaled down to
-  the CPU shapes.
-
-Per model shape and sequence length: memory resident right after the forward (every saved input is alive
-there; on the CPU, where host and device memory are one, the bytes the offload hooks packed instead), the
-step's peak (GPU only), what was freed against the arithmetic (layers x batch x seq x hidden x dtype-bytes),
-step time (median of the timed steps after warm-up; CUDA events on the GPU), tokens/s and each mode's time
-relative to checkpointing alone. Then a mixed-length run, mostly short batches and a few long ones, per step
-and in total. A step is forward + backward with gradients dropped afterwards; no optimizer (it does not
-depend on the mode). Writes results.md, results.json and results.png into ``--out``, after every block, so a
-run stopped by a time limit still leaves what it measured.
+Modes on the same model, weights and inputs: ``checkpointing`` (the baseline), ``always`` (transformers'
+``offload=True``, or the ``save_on_cpu`` wrap it makes), autooffload ``on`` and ``auto``. Per shape and length: the
+memory resident after the forward, the step's peak, what was freed against the arithmetic, the step's time with the
+modes interleaved; then a mixed-length run. The modes and the columns: benchmarks/README.md. Writes results.md,
+results.json and results.png into ``--out`` after every block, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations

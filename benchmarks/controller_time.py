@@ -29,7 +29,6 @@ adds earlier runs' JSON to the plot.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -42,6 +41,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness.environment import load, stamp  # noqa: E402
+from harness.results import pyplot  # noqa: E402
+from harness.verdicts import per_call  # noqa: E402
+
 PER_TOKEN = 100_000  # the step's all-recompute peak per token of its longest micro-batch
 BASE = 1_000_000_000
 KEPT_PER_TOKEN = 20_000  # what one kept layer adds per token (fp32-like, linear)
@@ -120,21 +124,12 @@ def run(layers: int, distinct: int, timed: int, seed: int = 0) -> dict[str, Any]
         "distinct_lengths": distinct,
         "new_timed": len(new),
         "seen_timed": len(seen),
-        **{f"new_{key}": value for key, value in spread(new).items()},
-        **{f"seen_{key}": value for key, value in spread(seen).items()},
+        **{f"new_{key}": value for key, value in per_call(new).items()},
+        **{f"seen_{key}": value for key, value in per_call(seen).items()},
         "first_visits_window_median_ms": [1000 * w for w in windows],
         "state_bytes": len(state),
         "kept_share_last": switch.kept / layers,
         "micro_batches_kept": kept_any,
-    }
-
-
-def spread(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    return {
-        "median_ms": 1000 * statistics.median(ordered),
-        "p90_ms": 1000 * ordered[int(0.9 * (len(ordered) - 1))],
-        "max_ms": 1000 * ordered[-1],
     }
 
 
@@ -149,11 +144,7 @@ def code_version(root: Path) -> str:
 
 
 def plot(results: list[dict[str, Any]], baselines: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, ax = plt.subplots(figsize=(8, 4.5))
     for label, rows, style in [("after", results, "-o"), *[(b["label"], b["rows"], "--x") for b in baselines]]:
         for layers in sorted({r["layers"] for r in rows}):
@@ -199,6 +190,10 @@ def main() -> int:
     assert Path(autooffload.__file__).resolve().is_relative_to(root), autooffload.__file__
     options.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU"
+    environment = stamp(
+        "controller_time.py", sys.argv[1:], label=options.label, machine=machine, code=code_version(root)
+    )
     header = (
         f"{'layers':>6} {'lengths':>8} {'new: median ms':>14} {'p90':>7} {'max':>7} {'seen: median ms':>15} "
         f"{'p90':>7} {'max':>7} {'state KiB':>9} {'kept':>6}"
@@ -215,16 +210,7 @@ def main() -> int:
                 f"{row['micro_batches_kept'] / (distinct + options.timed):>6.0%}",
                 flush=True,
             )
-            summary = {
-                "label": options.label,
-                "date": datetime.date.today().isoformat(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
-                "load_average": os.getloadavg(),
-                "torch": torch.__version__,
-                "code": code_version(root),
-                "command": "python " + " ".join(sys.argv),
-                "rows": results,
-            }
+            summary = {**environment, "load_average": load(), "rows": results}
             (options.out / "results.json").write_text(json.dumps(summary, indent=2))
     try:
         plot(results, baselines, options.out / "results.png")

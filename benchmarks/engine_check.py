@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.environment import cpu_model, releases
+from harness.models import qwen3, step_ids
+from harness.verdicts import shown
 
 from autooffload import AutoOffloadWarning, OffloadController, Settings
 from autooffload.apply.host_memory import host_memory
@@ -74,52 +78,13 @@ class Device:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
     def describe(self) -> str:
-        return torch.cuda.get_device_name(self.device) if self.cuda else platform.processor() or "cpu"
-
-
-def qwen3(layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, dtype, device, seed=0) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):  # initialising on the device: seconds, not minutes, at 1.7B parameters
-            model = Qwen3ForCausalLM(config)
-    except Exception:  # a transformers release that will not build under a device context
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.to(device=device, dtype=dtype)
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    prefix = "activation" if enable.__name__.startswith("activation") else "gradient"
-    enable(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
-    model.train()
-    return model
+        return torch.cuda.get_device_name(self.device) if self.cuda else cpu_model()
 
 
 def offload(model: torch.nn.Module, engine: str) -> OffloadController:
     controller = OffloadController(Settings(mode="on", engine=engine), probe=None)
     controller.attach(model, compiled=False)
     return controller
-
-
-def tokens(step: int, batch: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator(device=device).manual_seed(1000 + step)
-    return torch.randint(0, vocab, (batch, seq), generator=generator, device=device)
 
 
 def forward_backward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -153,7 +118,7 @@ def gradient_check(name: str, config: tuple, dtype: torch.dtype, device: Device)
     exact = dict.fromkeys(errors, 0)
     moved = {engine: [] for engine in ENGINES}
     for step in range(steps):
-        ids = tokens(step, batch, seq, vocab, device.device)
+        ids = step_ids(step, batch, seq, vocab, device.device)
         loss = forward_backward(plain, ids)
         reference = flat_grads(plain)
         runs = {"plain_repeat": (forward_backward(plain, ids), flat_grads(plain))}
@@ -216,7 +181,7 @@ def time_shape(shape: tuple, vocab: int, measured: int, device: Device) -> dict[
     for block in ("plain", "stream", "sync", "plain_again"):
         engine = block if block in ENGINES else None
         controller = offload(model, engine) if engine else None
-        ids = tokens(0, 1, seq, vocab, device.device)
+        ids = step_ids(0, 1, seq, vocab, device.device)
         device.sync()
         device.reset_peak()
         base = device.allocated()
@@ -229,7 +194,7 @@ def time_shape(shape: tuple, vocab: int, measured: int, device: Device) -> dict[
         peak = device.peak()
         times = []
         for step in range(1 + measured):
-            ids = tokens(1 + step, 1, seq, vocab, device.device)
+            ids = step_ids(1 + step, 1, seq, vocab, device.device)
             device.sync()
             start = time.perf_counter()
             forward_backward(model, ids)
@@ -325,7 +290,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{t['plain_drift']:.2%} |"
         )
     lines += ["", "## Verdicts", ""]
-    lines += [f"- {name}: {'PASS' if ok else 'FAIL'}" for name, ok in report["verdicts"].items()] or ["- none"]
+    lines += [f"- {name}: {shown(ok)}" for name, ok in report["verdicts"].items()] or ["- none"]
     return "\n".join(lines) + "\n"
 
 
@@ -366,9 +331,7 @@ def run(options: argparse.Namespace, launch_blocking: str | None, caught: list) 
     report: dict[str, Any] = {
         "device": {"type": device.device.type, "name": device.describe()},
         "environment": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": sys.version.split()[0],
+            **releases(),
             "cuda_launch_blocking_given": launch_blocking,
             "host_available_gib": available / 2**30,
             "host_total_gib": total / 2**30,

@@ -45,6 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.environment import stamp  # noqa: E402
 
 from autooffload.apply.host_memory import PAGE, HostMemory, page_round  # noqa: E402
 from autooffload.apply.pinning import cuda_register, cuda_unregister, pageable  # noqa: E402
@@ -249,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     options.out.mkdir(parents=True, exist_ok=True)
     machine = Machine(device)
     sizes = [int(x) for x in options.sizes_mib.split(",")]
-    report: dict[str, Any] = dict(
+    report: dict[str, Any] = stamp(
+        "host_pinning.py",
+        sys.argv[1:] if argv is None else argv,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        torch=torch.__version__,
         threads=torch.get_num_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS", "unset"),
         pinning="cudaHostRegister" if device == "cuda" else "mlock (a CPU's stand-in for cudaHostRegister)",

@@ -2,35 +2,14 @@
 
     python benchmarks/mixed.py --out DIR [--device cuda|cpu] [--passes 4] [--variants room budget] [--quick]
 
-Modes, on one model (Qwen3 layers, random weights; on the GPU the Qwen3-1.7B layer shape, 16 x 2048), each
-installed before its step and taken off after, interleaved step by step in a rotating order:
-
-- ``plain``: transformers' checkpointing alone;
-- ``offload=True``: transformers' own (``save_on_cpu`` around each layer's checkpoint; the same wrap installed by
-  this script where the release or the device has none);
-- ``torchtune``: torchtune's ``OffloadActivations`` (copy stream, every saved tensor of 1 KiB or more, the output
-  head left out as its recipes do) around the forward, checkpointing on: GPU only, where torchtune is installed
-  (a benchmark-only dependency; see :func:`torchtune_offloading`);
-- ``on/sync``, ``on/stream``: autooffload offloading every layer, with each engine;
-- ``auto``: autooffload with today's defaults; ``auto/stream``: with ``engine="stream"``; ``auto/stream/keep``:
-  with ``engine="stream"`` and ``recompute="auto"``.
-
-Every autooffload mode keeps its controller and its host memory manager across the whole run, as one training
-run would: the passes after the first see a warm controller, and the buffers pinned in one step serve the next.
-The first pass is the warm-up and is reported apart (its long steps pin host memory and teach the policy).
-
-Variants: ``room``, the device's whole memory; ``budget``, a device sized so that a long micro-batch with every
-layer recomputing does not fit under ``memory_high`` (0.9) and one with every layer offloaded does (the limit
-halfway between the two calibration peaks): the long micro-batches must offload some layers. A step's reading is
-``max_memory_allocated`` over it on a GPU (a CPU: the weights plus torch's CPU allocator's peak over the step), and
-the controllers read the same, as at most the device's size; every step is checked against the budget.
-
-Per mode: each pass's total time, the median over passes and the spread ((slowest - fastest pass) / median),
-short and long steps apart, steps over the budget (timed passes and warm-up), layers offloaded and kept, and per
-step Python's garbage collections and what autooffload's own work cost (``autooffload.observe.costs``). A comparison
-of two modes is per pass (the passes are interleaved, so a drift of the machine moves both): A is faster than B
-where A's total is below B's in every timed pass; the verdicts' tolerance is that spread, never a fixed figure.
-Writes ``mixed.json`` and ``mixed.md`` into ``--out`` after each variant.
+The modes (``MODES``), the variants (``room``; ``budget``, sized so that the long micro-batches must offload some
+layers) and what is reported per mode: benchmarks/README.md. Every autooffload mode keeps its controller and its host
+memory across the whole run, as one training run would; the first pass is the warm-up, reported apart. A step's
+reading is ``max_memory_allocated`` over it on a GPU (a CPU: the weights plus torch's CPU allocator's peak over the
+step), and the controllers read the same, as at most the device's size. Two modes are compared pass by pass (the
+passes are interleaved, so a drift of the machine moves both): A is faster than B where its total is below B's in
+every timed pass; the verdicts' tolerance is that spread, never a fixed figure. Writes ``mixed.json`` and
+``mixed.md`` into ``--out`` after each variant.
 """
 
 from __future__ import annotations
@@ -93,7 +72,7 @@ def trace(shape: Shape) -> list[int]:
 
 
 class Mode(Installed):
-    """One mode on the shared model (:class:`harness.forms.Installed`; module docs)."""
+    """One mode on the shared model (:class:`harness.forms.Installed`; benchmarks/README.md)."""
 
     def __init__(self, name: str, model: torch.nn.Module, device: str, probe: StepProbe, tune: Any) -> None:
         self.host: HostMemory | None = None

@@ -34,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.environment import releases  # noqa: E402
+from harness.verdicts import per_call  # noqa: E402
 
 SIZES = {
     # the model, and the sequence length of each step (one micro-batch per step)
@@ -187,8 +190,6 @@ def synchronize(device) -> None:
 
 def time_agreement(all_reduce_max, group, calls: int = 300) -> dict:
     """The agreement as the controller makes it: over its group (a gloo side group under NCCL)."""
-    import statistics
-
     from autooffload.distributed import collective_device
 
     for _ in range(20):
@@ -199,7 +200,7 @@ def time_agreement(all_reduce_max, group, calls: int = 300) -> dict:
         all_reduce_max([index % 3, -1], group)
         times.append(time.perf_counter() - start)
     device = collective_device() if group is None else group.device
-    return {"device": str(device), "calls": calls, "median_us": statistics.median(times) * 1e6}
+    return {"device": str(device), "calls": calls, **per_call(times, "us")}
 
 
 def part_zero3(device: str, out: Path) -> dict:
@@ -333,12 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import torch
-    import transformers
 
     if options.device == "cuda" and not torch.cuda.is_available():
         print("smoke: no CUDA device; use --device cpu for a dry run", flush=True)
         return 2
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    versions: dict[str, str | None] = dict(releases())
     for name in ("accelerate", "deepspeed"):
         try:
             versions[name] = __import__(name).__version__

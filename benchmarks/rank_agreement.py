@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autooffload first
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.environment import stamp
+from harness.verdicts import per_call
 
 from autooffload.distributed import AgreementGroup, all_reduce_max, collective_device
 
@@ -58,14 +60,6 @@ def queue_work(tensor: torch.Tensor, ms: float) -> None:
         tensor @ tensor
 
 
-def summary(times: list[float]) -> dict[str, float]:
-    return {
-        "median_us": statistics.median(times) * 1e6,
-        "mean_us": statistics.fmean(times) * 1e6,
-        "p90_us": statistics.quantiles(times, n=10)[-1] * 1e6,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -85,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         "gloo side group": (time_calls(options.calls, options.warmup, side_group, options.busy_ms), "cpu"),
     }
     result = {
+        **stamp("rank_agreement.py", sys.argv[1:] if argv is None else argv),
         "backend": backend,
         "world_size": world,
         "calls": options.calls,
         "busy_ms": options.busy_ms,
-        "torch": torch.__version__,
-        "rows": {name: {"device": device, **summary(times)} for name, (times, device) in rows.items()},
+        "rows": {name: {"device": device, **per_call(times, "us")} for name, (times, device) in rows.items()},
     }
     if rank == 0:
         same = " (on a CPU both are gloo: the same collective)" if backend == "gloo" else ""

@@ -46,8 +46,8 @@ def predicted_peak(policy: Any, tokens: int, bytes_per_layer: int | None) -> flo
 
 
 def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
-    import engine_check
     import torch
+    from harness.models import qwen3, step_ids
 
     from autooffload import OffloadController, PredictivePolicy, Settings
 
@@ -56,7 +56,7 @@ def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, An
         shape, lengths = (2, 64, 128, 4, 2, 16, 256), [32, 64, 128, 32, 96, 160]
     else:
         shape, lengths = (16, 1024, 3072, 16, 8, 64, 32768), [2048, 4096, 8192, 2048, 16384, 4096, 24576, 32768]
-    model = engine_check.qwen3(*shape, torch.bfloat16, torch.device(device))
+    model = qwen3(*shape, torch.bfloat16, torch.device(device))
     probe = "auto" if cuda else SyntheticProbe()
     controller = OffloadController(Settings(policy="predictive"), probe=probe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -69,7 +69,7 @@ def part_memory_model(device: str, quick: bool, budget_s: float) -> dict[str, An
             break
         per_layer = round(controller.sizes.token_bytes * seq) if controller.sizes.token_bytes else None
         predicted = predicted_peak(controller.policy, seq, per_layer)
-        ids = engine_check.tokens(step, 1, seq, shape[-1], torch.device(device))
+        ids = step_ids(step, 1, seq, shape[-1], torch.device(device))
         if isinstance(probe, SyntheticProbe):
             probe.tokens = seq
         began = time.perf_counter()

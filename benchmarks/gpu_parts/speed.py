@@ -88,17 +88,16 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     each, interleaved). The loss is taken on the decoder's output (``model.model``, a mean square), not on 32k x
     151,936 logits: the published run's memory resident after the forward (4,112 MB plain at this shape) has no
     room for them (10 GB in bf16), so its step had no full output head either."""
-    import engine_check
     import mixed
     import torch
-    from harness.models import StepProbe
+    from harness.models import StepProbe, qwen3, step_ids
     from harness.rounds import rotated
 
     if quick:
         config, seq = (2, 64, 128, 4, 2, 16, 256), 128
     else:
         config, seq = (28, 2048, 6144, 16, 8, 128, 151936), 32768
-    model = engine_check.qwen3(*config, torch.bfloat16, torch.device(device))
+    model = qwen3(*config, torch.bfloat16, torch.device(device))
     total = torch.cuda.get_device_properties(0).total_memory if device.startswith("cuda") else 64 * 2**30
     probe = StepProbe(total, separate_host=device == "cpu")
     modes = [mixed.Mode(name, model, device, probe, None) for name in SEED_MODES]
@@ -109,7 +108,7 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
         if round_ == 2 and (time.perf_counter() - started) * 1.5 > budget_s:
             break
         for mode in rotated(modes, round_):
-            ids = engine_check.tokens(round_, 1, seq, config[-1], torch.device(device))
+            ids = step_ids(round_, 1, seq, config[-1], torch.device(device))
             row = mixed.run_step(mode, ids, device == "cpu", watch, decoder_loss)
             row["round"] = round_
             rows[mode.name].append(row)

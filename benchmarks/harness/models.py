@@ -91,6 +91,48 @@ def _instantiate(model_class: type, config: Any, shape: Shape, device: str) -> t
     return model.to(DTYPES[shape.dtype]).train()
 
 
+def qwen3(
+    layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+    dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+) -> torch.nn.Module:  # fmt: skip
+    """A Qwen3 of any proportions (the GPU check's engines, seed and memory model; tied embeddings), initialised in
+    ``dtype`` on ``device`` (seconds, not minutes, at 1.7B parameters), checkpointing on, in training mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    except Exception:  # a transformers release that will not build under a device context
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.to(device=device, dtype=dtype)
+    set_checkpointing(model, True)
+    return model.train()
+
+
+def step_ids(step: int, batch: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Step ``step``'s ``batch`` x ``seq`` token ids, drawn on ``device`` (the GPU check's)."""
+    generator = torch.Generator(device=device).manual_seed(1000 + step)
+    return torch.randint(0, vocab, (batch, seq), generator=generator, device=device)
+
+
 def token_ids(vocab: int, seq: int, seed: int, device: str, batch: int = 1) -> torch.Tensor:
     """``batch`` x ``seq`` random token ids from ``seed``, the same on every device."""
     generator = torch.Generator().manual_seed(seed)

@@ -67,3 +67,17 @@ def slope(points: Sequence[tuple[float, float]]) -> float:
     mean_y = statistics.fmean(y for _, y in points)
     var = sum((x - mean_x) ** 2 for x, _ in points)
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+
+
+def per_call(seconds: Sequence[float], unit: str = "ms") -> dict[str, float]:
+    """How a per-call cost is reported: the median, the mean, the 90th percentile (the nearest rank below) and the
+    slowest of ``seconds``, in ``unit`` (``ms`` or ``us``), keyed ``median_ms``, ``mean_ms``, ``p90_ms``, ``max_ms``."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    ordered = sorted(seconds)
+    found = dict(
+        median=statistics.median(ordered),
+        mean=statistics.fmean(ordered),
+        p90=ordered[int(0.9 * (len(ordered) - 1))],
+        max=ordered[-1],
+    )
+    return {f"{key}_{unit}": scale * value for key, value in found.items()}
