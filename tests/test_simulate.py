@@ -49,9 +49,11 @@ def test_short_runs_meet_the_targets(scenario, lengths):
 
 
 def test_oracle_offloads_the_fewest_layers_that_fit():
+    from simulation.policies import oracle_level
+
     model = simulate.MemoryModel(simulate.SCENARIOS["8b-lora-24gb"], simulate.Calibration())
     limit = 0.9 * model.total
-    level = simulate.oracle_level(model, 20_000, 0.0, limit)
+    level = oracle_level(model, 20_000, 0.0, limit)
     assert model.peak(20_000, level) <= limit < model.peak(20_000, level - 1)
     # The last layer's input does not lower the peak at the start of the backward.
     assert model.peak(20_000, model.layers) == model.peak(20_000, model.layers - 1)

@@ -9,12 +9,6 @@ import weakref
 from typing import Any
 
 
-def _first_tensor(args: tuple) -> Any:
-    import torch
-
-    return next((a for a in args if isinstance(a, torch.Tensor)), None)
-
-
 def _storage(tensor: Any) -> int:
     try:
         return tensor.untyped_storage().data_ptr() or id(tensor)

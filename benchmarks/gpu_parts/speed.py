@@ -88,10 +88,12 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     each, interleaved). The loss is taken on the decoder's output (``model.model``, a mean square), not on 32k x
     151,936 logits: the published run's memory resident after the forward (4,112 MB plain at this shape) has no
     room for them (10 GB in bf16), so its step had no full output head either."""
-    import mixed
     import torch
     from harness.models import StepProbe, qwen3, step_ids
     from harness.rounds import rotated
+    from harness.trace_modes import HIGH, Mode, run_step
+
+    from autooffload.observe.costs import GcWatch
 
     if quick:
         config, seq = (2, 64, 128, 4, 2, 16, 256), 128
@@ -100,8 +102,8 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
     model = qwen3(*config, torch.bfloat16, torch.device(device))
     total = torch.cuda.get_device_properties(0).total_memory if device.startswith("cuda") else 64 * 2**30
     probe = StepProbe(total, separate_host=device == "cpu")
-    modes = [mixed.Mode(name, model, device, probe, None) for name in SEED_MODES]
-    watch = mixed.GcWatch()
+    modes = [Mode(name, model, device, probe, None) for name in SEED_MODES]
+    watch = GcWatch()
     rows: dict[str, list[dict[str, Any]]] = {mode.name: [] for mode in modes}
     started = time.perf_counter()
     for round_ in range(3):
@@ -109,7 +111,7 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
             break
         for mode in rotated(modes, round_):
             ids = step_ids(round_, 1, seq, config[-1], torch.device(device))
-            row = mixed.run_step(mode, ids, device == "cpu", watch, decoder_loss)
+            row = run_step(mode, ids, device == "cpu", watch, decoder_loss)
             row["round"] = round_
             rows[mode.name].append(row)
     for mode in modes:
@@ -129,7 +131,7 @@ def part_seed(device: str, quick: bool, budget_s: float) -> dict[str, Any]:
         plain, native, auto = summary["plain"], summary["offload=True"], summary["auto"]
         verdicts["offload_true_lowers_the_peak"] = native["peak_gb"] < plain["peak_gb"]
         verdicts["auto_faster_than_offload_true"] = auto["median_s"] < native["median_s"]
-        verdicts["auto_under_memory_high"] = auto["peak_gb"] * 1e9 <= mixed.HIGH * total
+        verdicts["auto_under_memory_high"] = auto["peak_gb"] * 1e9 <= HIGH * total
     shape = dict(
         zip(("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"), config, strict=True)
     )

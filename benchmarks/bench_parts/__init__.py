@@ -1,0 +1,1 @@
+"""The parts of ``bench.py``: ``report``, its tables and figure."""
