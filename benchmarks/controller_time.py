@@ -4,23 +4,11 @@
                                          [--timed 2000] [--code PATH] [--baseline JSON ...]
 
 Padding-free and packed batches give nearly every micro-batch a length of its own, so whatever the controller
-keeps per length, and whatever it does per length at each decision, grows with the run. This script drives a
-real :class:`~autooffload.OffloadController` (``recompute="auto"``, the predictive policy, gradient accumulation
-2) attached to a randomly initialised Qwen3 with 36 or 80 checkpointed layers, through the calls a training
-loop makes per micro-batch, without running the model: the decision (``before_forward``), each layer's
-first-call report, the kept layers' measurements where the plan asks for them, the backward, and every second
-micro-batch the step's end with a memory reading. What is left out is the forward and backward themselves (and
-the hooks inside them, whose cost does not depend on the lengths seen).
-
-Per (layers, N): a run visits N distinct lengths once each (batch 1, 16 to N + 15 tokens, in a random order),
-then ``--timed`` micro-batches at lengths drawn from those N; every micro-batch is timed (the thread's CPU time,
-``time.thread_time``, which other processes on a shared machine disturb far less than the wall clock). Two
-figures: a *new* length (the last ``--timed`` of the N first visits, each a length not seen before: what a
-padding-free run meets at nearly every micro-batch) and a *seen* one (the draws). The memory reading is a
-synthetic device: a constant, a per-token term at the step's longest micro-batch, and what its kept layers add,
-2% more than they measured in one step in twenty (so the keep planner's corrections are exercised too). The table
-gives the median and the 90th percentile per micro-batch, and the size of the controller's saved state
-(``json.dumps(state_dict())``).
+keeps per length, and whatever it does per length at each decision, grows with the run. A real
+:class:`~autooffload.OffloadController` is driven through the calls a training loop makes per micro-batch, without
+running the model, against a synthetic reading (:class:`Device`); each micro-batch is timed in the thread's CPU
+time (``time.thread_time``), which other processes on a shared machine disturb far less than the wall clock. What
+it calls, the *new* and *seen* figures and the table: benchmarks/README.md.
 
 ``--code PATH`` imports autooffload from another checkout (the code before a change, to compare); ``--baseline``
 adds earlier runs' JSON to the plot.

@@ -4,37 +4,12 @@ training step, and the other faults a training job meets.
     python benchmarks/faults.py --out DIR              # the whole matrix (about an hour on two CPU cores)
     python benchmarks/faults.py --out DIR --quick      # a slice of it (what tests/test_faults.py runs)
 
-Each cell trains a tiny random model through the real Trainer (4 layers, hidden 64, gradient accumulation 2,
-6 optimizer steps of mixed lengths, an evaluation and a checkpoint save every 3 steps) with
-``autooffload.attach(trainer)``, mode ``auto`` and a :class:`~autooffload.SimulatedDevice` small enough that the
-long micro-batches offload and (``recompute="auto"``) the short ones keep; then injects one fault. Axes:
-
-- **topology**: one process; two ranks under DDP over gloo (``torchrun``); two ranks under DeepSpeed ZeRO-3
-  through Trainer (the entry points it reaches: no rescue there);
-- **model**: a Qwen3; a T5 (encoder-decoder); a Qwen3 whose loss comes from ``model.model(...)`` (TRL's fused
-  loss: the top model's forward never runs, or runs without tokens through a wrapper, the call redirected);
-- **engine** ``sync``/``stream``, **policy** ``predictive``/``hysteresis``, **recompute** ``always``/``auto``
-  (every combination on one process, for the Qwen3);
-- **faults**: an exception at every guarded entry point (``autooffload.guard.ENTRY_POINTS``) and every place of
-  autooffload's code inside a step (``autooffload.guard.IN_STEP``), enumerated from the registries (a new one is
-  covered without editing this file), once in each **window** of the run the fault-free run called it in
-  (:class:`Moment`: the run's first micro-batch, a non-last and the last micro-batch of an accumulation, each's
-  forward and backward, an evaluation, outside a micro-batch), raised before the entry's body (and after it: after
-  the pre-forward hook's body is after the agreement), on rank 1, rank 0 or both (:func:`plans` says which
-  configuration gets which); a probe that raises an NVML error, or that returns ``None``, a fraction above 1 or
-  NaN, or whose ``reset()`` raises; host buffers that cannot be allocated or pinned, and host memory running out
-  mid-step; a process killed with SIGKILL between two steps, then resumed from the last Trainer checkpoint. An
-  entry point reached only in a resumed run (a load) runs resumed from the fault-free run's checkpoint; one reached
-  only by an out-of-memory step (the rescue) runs with one injected.
-
-Per cell: **survived** (every rank finished every step, no hang, no crash), **identical** (per micro-batch losses
-and final parameters bit-identical, fp32 on the CPU, to the same configuration's fault-free run, itself equal to
-plain checkpointing), **warned** (the failing rank warned once, naming the entry point or place and the cause; the
-other rank once, naming the rank that gave up), **detached** (no hook, owner or host buffer of autooffload left on
-the model, its checkpoint functions plain), **same collectives** (the ranks made the same sequence of Python-level
-collectives, and autooffload no more than without the fault), **raised** (the fault struck once, in the window
-planned), and for the kill, **resumed exactly** (the resumed run's losses and parameters those of the
-uninterrupted run). It writes ``faults.json`` (every cell) and ``faults.md`` (the tables) under ``--out``.
+Each cell trains a tiny random model through the real Trainer with ``autooffload.attach(trainer)`` and a
+:class:`~autooffload.SimulatedDevice` small enough that long micro-batches offload and short ones keep, then injects
+one fault; the faults are enumerated from ``autooffload.guard``'s registries, so a new entry point is covered without
+editing this file. The axes (topology, model, engine, policy, recompute, fault, window, rank) and what each verdict
+of a cell means (survived, identical, warned, detached, same collectives, raised, resumed exactly):
+benchmarks/README.md and docs/faults.md. It writes ``faults.json`` (every cell) and ``faults.md`` (the tables).
 
 The matrix's parts are the package ``benchmarks/fault_matrix/`` (``config``, ``inject``, ``training``, ``launch``,
 ``matrix``, ``report``, importing downwards only); this script runs it, and each job of it in a process of its own.

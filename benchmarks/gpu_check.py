@@ -11,23 +11,10 @@ total (``--budget-s``, default 450 s). After every part ``gpu_check.json`` (ever
 everything the parts printed: three files, well inside what a device call brings back. The verdicts are what
 the rule for the defaults reads (docs/engines.md, docs/ladder.md).
 
-1. ``mixed``: ``benchmarks/mixed.py``, the trace that decides: plain, transformers' ``offload=True``, torchtune's
-   ``OffloadActivations`` (where installed), ``on`` with each engine, ``auto`` with today's defaults, with
-   ``stream``, and with ``stream`` and ``recompute="auto"``; Qwen3-1.7B layers, a warm-up pass and three
-   interleaved timed passes, with room and under a budget where the long micro-batches must offload some layers.
-2. ``seed``: the setup transformers' ``offload=True`` was published with (Qwen3-1.7B's config, bf16, one
-   sequence of 32k tokens; peak 11.13 -> 10.16 GB on one H100), with ``auto`` beside it.
-3. ``engines``: the offload engines at a Qwen3-8B layer shape (36 layers x hidden 4096 x 16k tokens, bf16, batch
-   1): bytes freed after the forward against the arithmetic (``sync``: every layer input; ``stream``: all but the
-   last), and median step time against plain checkpointing; a short bf16 gradient check against plain first.
-4. ``pinning``: ``benchmarks/host_pinning.py`` under ``OMP_NUM_THREADS=1`` (as torchrun runs each rank) and with
-   torch's default threads: the ways to get pinned memory, and a step that needs new buffers, pinned in it or
-   ahead on threads.
-5. ``ladder``: ``benchmarks/ladder.py --engine stream`` (no checkpointing, plain, ``recompute=always`` and
-   ``auto`` side by side, under a budget from the allocator), scenarios (a)-(c): its targets, and whether a kept
-   layer ever broke the budget.
-6. ``memory_model``: the predictive policy's predicted peak before every step against the allocator's real peak
-   of that step, on a trace of lengths it has partly not seen.
+The parts, in order of value: ``mixed`` (``benchmarks/mixed.py``), ``seed`` (the setup transformers' ``offload=True``
+was published with, ``auto`` beside it), ``engines``, ``pinning`` (``benchmarks/host_pinning.py``), ``ladder``
+(``benchmarks/ladder.py --engine stream``), ``memory_model`` (the predicted peak against the real one); what each
+measures and how long it takes: docs/benchmarks.md, the GPU check.
 
 Not run unless named in ``--parts`` (measured on the first H200 and unchanged since): ``probe`` (NVML, the caching
 allocator and ``mem_get_info`` side by side while memory fills, frees and refills) and ``smoke`` (the FSDP2 part of

@@ -2,26 +2,13 @@
 
     python benchmarks/soak.py --out DIR [--steps 3000] [--every 100] [--config NAME ...]
 
-A tiny random Qwen3 (4 layers, hidden 64, the demo's) trains on a CPU through ``transformers.Trainer`` with
-gradient accumulation 2, batch 1, on heavy-tailed lengths (16 x a Pareto(1.2) draw, 16 to 512 tokens: mostly
-short, a long one now and then, hundreds of distinct lengths), against a :class:`~autooffload.SimulatedDevice`
-on which a 512-token micro-batch does not fit with every layer recomputing. Each configuration runs in a process
-of its own (so one's memory is not the next one's):
-
-- ``predictive-sync-always``, ``predictive-sync-auto`` (the keep rung), ``predictive-stream-auto``,
-  ``hysteresis-sync-always``: the policies, the engines, the two recompute settings;
-- ``budget-on-sync`` and ``budget-auto-stream``: under a host memory budget of 256 KiB (mode ``on``, and the
-  predictive policy with the stream engine), with the pinning calls stood in for (a CPU cannot pin), so host
-  buffers are real anonymous mappings taken, reused and released under the budget.
-
-Every ``--every`` steps it samples the process's resident memory (RSS), the live tensors (``gc``), the host
-bytes autooffload holds, the size of the controller's saved state (``json.dumps(state_dict())``), the
-controller's own time per micro-batch over the window (its entry points, in the thread's CPU time: the
-decision, the layers' reports, the backward count and the step's end, not the forward and backward) and the
-history's lines. At the end: the history has one line per optimizer step; per window, the share of short
-micro-batches (under 128 tokens) that kept layers (``recompute=auto``) and the bytes that did not move for
-want of host memory. After a warm-up (the first fifth of the steps), each series is fitted with a line: the
-growth per 1000 steps against its level says whether it is flat.
+A tiny random Qwen3 trains on a CPU through ``transformers.Trainer`` on heavy-tailed lengths (hundreds of distinct
+ones) against a :class:`~autooffload.SimulatedDevice`, in the configurations of ``CONFIGS``, each in a process of its
+own (so one's memory is not the next one's). Every ``--every`` steps it samples what autooffload could let grow:
+the process's RSS, the live tensors, the host bytes held, the saved state's size, the controller's own time per
+micro-batch and the history's lines. After a warm-up (the first fifth of the steps), each series is fitted with a
+line: the growth per 1000 steps against its level says whether it is flat. The configurations and the samples in
+full: benchmarks/README.md.
 
 Writes ``results.json``, ``results.md`` and ``results.png`` into ``--out``. The script puts its own checkout first
 on ``sys.path``.
