@@ -198,9 +198,10 @@ def figures(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def environment(device: str) -> dict[str, Any]:
     import torch
+    from harness.environment import releases
 
-    found: dict[str, Any] = {"device": device, "torch": torch.__version__}
-    for name in ("transformers", "accelerate", "deepspeed", "pynvml"):
+    found: dict[str, Any] = {"device": device, **releases()}
+    for name in ("accelerate", "deepspeed", "pynvml"):
         try:
             module = __import__(name)
             found[name] = getattr(module, "__version__", "present")

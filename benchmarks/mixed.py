@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import results as written
-from harness.environment import own_settings, stamp
+from harness.environment import cpu_name, own_settings, stamp
 from harness.forms import torchtune_offloading
 from harness.models import Shape, StepProbe, build_model, token_ids
 from harness.rounds import interleaved
@@ -284,11 +283,7 @@ def write(out: Path, report: dict[str, Any]) -> None:
 
 
 def environment(device: str, shape: Shape, argv: list[str], tune_source: str) -> dict[str, Any]:
-    name = (
-        torch.cuda.get_device_name()
-        if device == "cuda"
-        else f"{platform.processor() or 'cpu'}, torch threads {torch.get_num_threads()}"
-    )
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_name(torch.get_num_threads())
     return stamp(
         "mixed.py", argv, device=device, device_name=name, shape=dataclasses.asdict(shape), torchtune=tune_source
     )

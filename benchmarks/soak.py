@@ -17,7 +17,6 @@ on ``sys.path``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import results as written  # noqa: E402
-from harness.environment import load  # noqa: E402
+from harness.environment import load, stamp  # noqa: E402
 from harness.verdicts import slope  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -292,20 +291,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def header(options: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    import transformers
-
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "log", "-1", "--format=%h %s", "--", "autooffload"], capture_output=True, text=True
     ).stdout.strip()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU; load ({load()})",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "code": commit,
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
-    }
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU; load ({load()})"
+    return stamp("soak.py", sys.argv[1:], machine=machine, code=commit)
 
 
 if __name__ == "__main__":

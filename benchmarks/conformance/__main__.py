@@ -3,46 +3,13 @@
     python -m benchmarks.conformance --out benchmarks/results/$(date +%F)-conformance [--types a,b]
         [--mappings causal,image-text,seq2seq,speech] [--timeout 240] [--jobs 1]
 
-For every model type in the causal-LM, image-text-to-text (text-only batches), seq2seq-LM and speech-seq2seq
-mappings: build a tiny random config (:func:`tiny_config`: every size key of the config and of its nested
-sub-configs shrunk, lists per layer cut to the new depth), then train one step three times from the same
-weights and batch: plain checkpointing, autooffload ``mode="on"``, and autooffload at a partial level (a
-fixed policy, about half the layers). autooffload runs the sync engine with real copies into pageable host
-buffers (a :class:`~autooffload.apply.host_memory.HostMemory` that "pins" with no-op calls, so the hooks copy
-on a CPU as they would into pinned memory on a GPU).
-
-What the sweep measures is its own: it wraps torch's checkpoint entry points
-(``torch.utils.checkpoint``'s private functions behind ``checkpoint``, found for the installed torch by a
-probe call: :func:`checkpoint_entry_points`; it stops with an error where it finds none), which every checkpointed
-call of every stack goes through, and records each grad-enabled call's layer input (its first
-positional tensor, once per tensor per forward). With text-only batches only the stacks that consume the
-tokens run (a VLM's vision tower does not), so the calls seen are those of the token stacks (both stacks of an
-encoder-decoder). Checked per type:
-
-- no exception in any run;
-- ``on``: bytes moved == the bytes of every recorded call's input == the arithmetic autooffload reports
-  (``planned_bytes()``: each offloaded layer's calls x the bytes its first call reported);
-- ``on``, the same batch once more: what the decision sizes all planned layers at *before* that forward (each
-  stack's length read from the batch x the bytes per token its layers' calls showed) == the bytes it moves.
-  The table also shows the first decision's figure (``first guess``: the config's widths, before any layer
-  ran), which is informative only;
-- partial: bytes moved == the arithmetic, and equal to the inputs of the very layers it offloaded (every call
-  of each; the module's recorded inputs);
-- loss and every gradient bit-identical to plain checkpointing, in both runs;
-- warnings (``AutoOffloadWarning`` and the ``transformers.autooffload`` log at WARNING) are collected; a
-  run that moves what it should must warn nothing, a run left on plain checkpointing must say so once.
-
-Beside the verdict, a second source judges each row that ran: transformers' own test,
-``check_training_gradient_checkpointing`` from the source distribution of the installed release, run on the row's
-model class, tiny config and batch with autooffload attached in mode ``on`` (:mod:`.upstream`; column
-``transformers' test``: ``pass``, ``fail`` where it passes without autooffload, ``fails-plain`` where it fails
-without autooffload too, ``skipped``). ``--no-upstream`` leaves it out; ``--transformers-sdist PATH`` names the sdist
-(else it is fetched once with pip into a cache).
-
-Verdicts: ``correct``; ``plain-with-warning`` (nothing moved, one warning, results identical: the warning's
-text is in the table for a reader to judge); ``wrong`` (what differs); ``crash`` (autooffload raised, or the
-child process died or timed out); ``skipped`` (no tiny config, no checkpointing support, or the plain
-checkpointed step itself fails: why). Every type runs in its own subprocess with a timeout.
+For every model type in the causal-LM, image-text-to-text, seq2seq-LM and speech-seq2seq mappings, a tiny random
+config trained one step three times from the same weights and batch (plain checkpointing, autooffload ``mode="on"``,
+autooffload at a partial level), each type in its own subprocess with a timeout. What should move is measured with
+the sweep's own hooks on torch's checkpoint entry points, not with autooffload's counters; transformers' own
+``check_training_gradient_checkpointing`` judges every row a second time (``--no-upstream`` leaves it out,
+``--transformers-sdist PATH`` names the sdist it is read from). What each row checks and each verdict means:
+docs/conformance.md.
 """
 
 from __future__ import annotations
