@@ -43,9 +43,12 @@ import torch
 from .apply.functions import install_plain
 from .apply.hooks import ForwardHooks
 from .distributed import RankAgreement, RankGaveUp
+from .guard import StepFaults, in_step, nothing
 from .observe.inputs import read_micro_batch
 from .observe.layout import ModelLayout
 from .observe.stacks import Stack
+
+PLAIN_CHECK = in_step("plain checkpointing's check")
 
 # The entry points that run before a run's join: a rank that fails in one of them joins the others at once.
 BEFORE_JOIN = ("attach", "on_train_begin", "Lightning on_train_start")
@@ -112,7 +115,8 @@ class PlainCheckpointing:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.installed = install_plain(model)
-        self._handle = model.register_forward_pre_hook(self._before)
+        # Shielded: where the check fails, the functions found stay (the run gave up already: noted nowhere).
+        self._handle = model.register_forward_pre_hook(StepFaults().shield(PLAIN_CHECK, self._before, nothing))
 
     @torch.compiler.disable
     def _before(self, module: torch.nn.Module, args: tuple) -> None:
