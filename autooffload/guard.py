@@ -109,7 +109,7 @@ class StepFaults:
         return first
 
 
-def nothing(*args: Any) -> None:
+def nothing(*args: Any, **kwargs: Any) -> None:
     """The fallback of a place whose work can be left undone (a count, a report, a buffer given back)."""
 
 
