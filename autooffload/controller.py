@@ -21,7 +21,6 @@ Nothing here may stop a training run: the entry points are guarded (:mod:`~autoo
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,10 +65,8 @@ class OffloadController(Run):
         with a warning, where there is nothing to control or this run gave up (until :meth:`finish`). ``optimizer``:
         the run's optimizer, so that state it has not allocated yet (Adam's) is foreseen before a reading holds it."""
         compiled, model = is_compiled(model) if compiled is None else compiled, compiled_module(model)
-        if self.failed:  # plain checkpointing on the model too: the trainer's own functions may carry `offload`
-            with contextlib.suppress(Exception):
-                self.fallback.keep_plain(model)
-            return self.fallback.attach_refused()  # under torch.distributed the other ranks are in the join
+        if self.failed:
+            return self.fallback.attach_refused(model)  # under torch.distributed the other ranks are in the join
         self.detach()
         lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing

@@ -36,9 +36,10 @@ own), so a rank that ended meets the others' next agreement, and they learn it t
 Each collective's bookkeeping (the join made, a micro-batch's agreement no longer due, the end reached) is marked
 only as the ``torch.distributed`` call is entered, once everything that can fail before it has run (the message
 built, the side group made, the rank read, the tensor made: the ``made`` of :func:`all_reduce_max` and
-:func:`join_ranks`): a failure before the call leaves the collective owed, so the give-up makes it (:mod:`autooffload.fallback`)
-where the other ranks wait in it. Marked before, a rank that failed there skipped it: its next collective (DDP's
-gradient all-reduce) met the others' agreement and gloo aborted both, or the others waited out the timeout.
+:func:`join_ranks`): a failure before the call leaves the collective owed, so the give-up makes it
+(:mod:`autooffload.fallback`) where the other ranks wait in it. Marked before, a rank that failed there skipped it:
+its next collective (DDP's gradient all-reduce) met the others' agreement and gloo aborted both, or the others waited
+out the timeout.
 
 A rank that gives up (:mod:`autooffload.guard`) cannot simply stop making these collectives: the others would
 meet their next one (DDP's gradient all-reduce: gloo aborts both) or wait in it (NCCL, with the agreement on a

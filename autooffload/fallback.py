@@ -210,9 +210,12 @@ class Fallback:
             self.plain.remove()
             self.plain = None
 
-    def attach_refused(self) -> bool:
+    def attach_refused(self, model: torch.nn.Module) -> bool:
         """``attach`` on a controller that gave up in this run: attach nothing (False, what ``attach`` returns), but
-        make the join the other ranks make there, with the flag, where this run's join is still owed."""
+        put plain checkpointing on ``model`` (the trainer's own functions may carry an ``offload`` key that fails or
+        always offloads), and make the join the other ranks make there, with the flag, where it is still owed."""
+        with contextlib.suppress(Exception):  # the functions found stay
+            self.keep_plain(model)
         agreement = self.agreement
         if agreement.active() and not agreement.joined:
             agreement.join(False, gave_up=True)

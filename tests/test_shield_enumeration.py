@@ -17,7 +17,7 @@ import importlib
 import inspect
 import pkgutil
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,15 @@ from autooffload.callback import AutoOffloadCallback
 from autooffload.guard import SHIELD
 
 LENGTHS = [64, 192, 64, 192]
+MODULE_HOOKS = (
+    "register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_backward_hook", "register_state_dict_pre_hook",
+    "register_load_state_dict_post_hook", "_register_state_dict_hook", "_register_load_state_dict_pre_hook",
+)  # fmt: skip
+OPTIMIZER_HOOKS = (
+    "register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
+    "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
+)  # fmt: skip
 HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
     "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
@@ -74,7 +83,7 @@ def unshielded(function: Any) -> str | None:
         elif hasattr(function, "__wrapped__"):
             function = function.__wrapped__
         elif not inspect.isfunction(function) and not inspect.isbuiltin(function) and callable(function):
-            call = getattr(type(function), "__call__", None)
+            call = type(function).__call__
             if call is None or not ours(getattr(call, "__module__", "") or ""):
                 return None
             function = call.__get__(function)
@@ -90,9 +99,9 @@ class Collector:
         self.found: dict[int, tuple[str, Any]] = {}  # id -> (where, callable), the callable kept alive
 
     def add(self, where: str, function: Any) -> None:
-        if callable(function) and id(function) not in self.found:
-            if unshielded(function) is not None or getattr(function, SHIELD, None) or _ours_inside(function):
-                self.found[id(function)] = (where, function)
+        known = callable(function) and id(function) not in self.found
+        if known and (unshielded(function) is not None or getattr(function, SHIELD, None) or _ours_inside(function)):
+            self.found[id(function)] = (where, function)
 
     def failures(self) -> list[str]:
         """Each unshielded callable of autooffload's by its name (closures made per layer once), and one place it
@@ -109,35 +118,15 @@ class Collector:
 
     def record(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Record the registrations torch offers, as they are made."""
-        methods: list[tuple[Any, str, Callable[[tuple], list[Any]]]] = [
-            (torch.nn.Module, name, lambda args: [args[0]])
-            for name in (
-                "register_forward_pre_hook",
-                "register_forward_hook",
-                "register_full_backward_hook",
-                "register_full_backward_pre_hook",
-                "register_backward_hook",
-                "register_state_dict_pre_hook",
-                "register_load_state_dict_post_hook",
-                "_register_state_dict_hook",
-                "_register_load_state_dict_pre_hook",
-            )  # fmt: skip
+        methods = [(torch.nn.Module, name) for name in MODULE_HOOKS] + [
+            (torch.optim.Optimizer, n) for n in OPTIMIZER_HOOKS
         ]
-        methods += [
-            (torch.Tensor, n, lambda args: [args[0]]) for n in ("register_hook", "register_post_accumulate_grad_hook")
-        ]
-        methods += [
-            (torch.optim.Optimizer, n, lambda args: [args[0]])
-            for n in ("register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
-                      "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
-                      "register_load_state_dict_post_hook")
-        ]  # fmt: skip
-        for owner, name, picked in methods:
+        methods += [(torch.Tensor, "register_hook"), (torch.Tensor, "register_post_accumulate_grad_hook")]
+        for owner, name in methods:
             original = getattr(owner, name)
 
-            def recording(self_, *args, _name=name, _original=original, _picked=picked, **kwargs):
-                for function in _picked(args) + [kwargs.get("hook")]:
-                    self.add(f"{type(self_).__name__}.{_name}", function)
+            def recording(self_, *args, _name=name, _original=original, **kwargs):
+                self.add(f"{type(self_).__name__}.{_name}", args[0] if args else kwargs.get("hook"))
                 return _original(self_, *args, **kwargs)
 
             monkeypatch.setattr(owner, name, recording)

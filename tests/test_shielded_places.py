@@ -6,7 +6,6 @@ plain checkpointing's losses, one warning names the place (where a run is there 
 
 from __future__ import annotations
 
-
 import gc
 import sys
 import warnings
@@ -17,7 +16,7 @@ import torch
 from conftest import InOrderTrainer, dataset, model, training_args
 
 import autooffload
-import autooffload.rescue  # noqa: F401  (registers its place)
+import autooffload.rescue
 from autooffload import AutoOffloadCallback, AutoOffloadWarning, OffloadController, Settings, SimulatedDevice
 from autooffload.apply.host_memory import HostMemory
 from autooffload.guard import IN_STEP

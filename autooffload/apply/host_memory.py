@@ -56,7 +56,6 @@ from .host_budget import process_budget, ranks_per_node
 from .pinning import cuda_drain, cuda_register, cuda_unregister, pageable
 
 FINALIZER = in_step("host memory's finalizer")
-
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 256
 _age, _size = attrgetter("last_step"), attrgetter("nbytes")  # sort keys of buffers
@@ -332,9 +331,8 @@ class HostMemory:
 
     @shielded_method(FINALIZER, lambda host: StepFaults(), nothing)  # at worst the pages stay pinned
     def __del__(self, _finalizing=sys.is_finalizing) -> None:
-        # Nothing is on loan (a loan holds its manager), so every buffer is free: unpin before the mappings go.
-        # An unmapped range still registered stays pinned and may refuse a later registration at its address.
-        # ``sys`` itself may be gone at interpreter exit, hence the bound default.
+        # Nothing is on loan (a loan holds its manager), so every buffer is free: unpin before the mappings go (a range
+        # left registered stays pinned, and may refuse a later registration). ``sys`` may be gone at exit: bound here.
         if _finalizing():
             return
         self.release_all()

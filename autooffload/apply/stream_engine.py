@@ -138,9 +138,6 @@ class _HostCopy:
 
     @shielded_method(COPY_END, lambda packed: packed.engine.faults, lambda packed: packed._dropped())
     def __del__(self) -> None:
-        self._end()
-
-    def _end(self) -> None:
         if self.pending is not None:
             _target, ready, compute = self.pending
             self.engine.streams.wait(compute, ready)
