@@ -116,6 +116,11 @@ class Collector:
     def count(self) -> int:
         return len(self.found)
 
+    def distinct(self) -> int:
+        """The distinct ones: by the place or entry point they run as, else by name (a closure made per layer or per
+        call counts once)."""
+        return len({getattr(f, SHIELD, None) or unshielded(f) or repr(f) for _, f in self.found.values()})
+
     def record(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Record the registrations torch offers, as they are made."""
         methods = [(torch.nn.Module, name) for name in MODULE_HOOKS] + [
@@ -315,7 +320,7 @@ def test_every_callable_of_ours_a_client_can_call_is_behind_the_shield(client, t
     collector = Collector()
     collector.record(monkeypatch)
     CLIENTS[client](tmp_path, collector)
-    print(f"{client}: {collector.count()} callables of autooffload's found")
+    print(f"{client}: {collector.count()} callables of autooffload's found, {collector.distinct()} distinct")
     assert collector.count() > 0
     assert collector.failures() == [], "\n".join(collector.failures())
 
