@@ -80,7 +80,16 @@ def storage_keys(layer_input: LayerInput) -> set:
 
 
 class _Loan:
-    """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor."""
+    """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor.
+
+    Known gap (issue 49, 1.6): a Ctrl-C whose ``KeyboardInterrupt`` Python raises while ``__del__`` runs (at any
+    bytecode of it, or of ``HostMemory.give``) is swallowed, as every exception out of a finalizer is, and a buffer
+    not yet back stays lent. The shield cannot help: it catches ``Exception``, and a finalizer cannot re-raise. The
+    fix is to run no Python code at the return: a ``weakref.ref(loan, returned.append)`` whose callback is a deque's
+    ``append`` (C, so no signal handler runs inside it), the deque drained by the manager at its next call (a take,
+    a give, a step's end, ``release_all``, a read of ``lent_bytes``). Left for now: ``lent_bytes`` is read as an
+    attribute everywhere, the stream engine's return must first wait for its copy's event, and when a buffer can be
+    used again would change, which needs a GPU run to check."""
 
     __slots__ = ("buffer", "faults", "host")
 
