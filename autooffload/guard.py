@@ -29,10 +29,10 @@ Every callable the one or the other returns carries its name in :data:`SHIELD` (
 ``functools.wraps`` copies onto a wrapper (``torch.compiler.disable``'s): a test collects every callable of
 autooffload's that torch, transformers, accelerate or Lightning hold (hooks, saved-tensor hooks, checkpoint
 functions, the Trainer's wrapped ``log``, callback methods, optimizer hooks, finalizers) and fails on one without it
-(``tests/test_shield_enumeration.py``). A checkpoint function is the one kind of callable that is neither: it runs
-the user's layer, whose errors are the step's, so it cannot run shielded as a whole; its own work runs in shielded
-places, and :func:`passes_on` marks it with them (and so
-a wrapper of a trainer's method whose own work is to call the method and an entry point).
+(``tests/test_shield_enumeration.py``). One kind is neither: a callable that runs the user's code, whose errors are
+the step's, cannot run shielded as a whole (a checkpoint function runs the layer; the rescue's wrapper of Trainer's
+``training_step``, the step). Its own work runs in shielded places or entry points, and :func:`passes_on` marks it
+with their names.
 
 Everything below the entry points and the shielded places may raise freely; inner ``try``/``except`` is for
 failures that have a better fallback than giving up (a probe that stops reading, a user's policy that raises).
