@@ -48,7 +48,7 @@ from .observe.inputs import read_micro_batch
 from .observe.layout import ModelLayout
 from .observe.stacks import Stack
 
-PLAIN_CHECK = in_step("plain checkpointing's check")
+PLAIN_CHECK = in_step("plain checkpointing's check", quiet=True)
 
 # The entry points that run before a run's join: a rank that fails in one of them joins the others at once.
 BEFORE_JOIN = ("attach", "on_train_begin", "Lightning on_train_start")

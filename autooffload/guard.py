@@ -59,16 +59,17 @@ class InStep:
 
     where: str
     fault: Callable[[], None] | None = None
+    quiet: bool = False  # noted where no run gives up with it (the run is over): its failure says nothing
 
 
 IN_STEP: dict[str, InStep] = {}
 
 
-def in_step(where: str) -> InStep:
-    """Register the place ``where`` (once, as its module is imported)."""
+def in_step(where: str, quiet: bool = False) -> InStep:
+    """Register the place ``where`` (once, as its module is imported); ``quiet``: see :class:`InStep`."""
     if where in IN_STEP:
         raise ValueError(f"two places inside a step named {where!r}: a warning must say which one failed")
-    place = IN_STEP[where] = InStep(where)
+    place = IN_STEP[where] = InStep(where, quiet=quiet)
     return place
 
 

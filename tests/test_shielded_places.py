@@ -112,12 +112,8 @@ def test_a_failure_in_a_hook_of_a_custom_loop_leaves_training_as_plain(where):
     losses, ours, controller = loop(where)
     assert losses == reference
     (warning,) = ours
-    if where == "the simulated device's count":  # the probe's failure: the run goes on without its reading
-        assert f"SimulatedDevice failed in {where} (RuntimeError: injected at {where})" in warning, warning
-        assert not controller.failed
-    else:
-        assert f"internal error in {where} (RuntimeError: injected at {where})" in warning, warning
-        assert controller.failed
+    assert f"internal error in {where} (RuntimeError: injected at {where})" in warning, warning
+    assert controller.failed
 
 
 def test_a_failure_in_plain_checkpointings_check_after_a_give_up_changes_nothing():

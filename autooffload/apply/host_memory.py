@@ -55,7 +55,7 @@ from ..warn import WarnOnce
 from .host_budget import process_budget, ranks_per_node
 from .pinning import cuda_drain, cuda_register, cuda_unregister, pageable
 
-FINALIZER = in_step("host memory's finalizer")
+FINALIZER = in_step("host memory's finalizer", quiet=True)
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 256
 _age, _size = attrgetter("last_step"), attrgetter("nbytes")  # sort keys of buffers

@@ -89,6 +89,8 @@ class MemoryMonitor:
         watch = getattr(self.probe, "watch_model", None)
         if not callable(watch):
             return
+        if isinstance(getattr(self.probe, "faults", None), StepFaults):  # SimulatedDevice's hooks: the run's shield
+            self.probe.faults = self.faults  # type: ignore[union-attr]
         try:
             watch(model, lambda: self.optimizer)
         except Exception as error:
