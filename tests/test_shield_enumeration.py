@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import InOrderTrainer, dataset, model, training_args
+from test_layers import remote_model
 
 import autooffload
 from autooffload import OffloadController, Settings, SimulatedDevice
@@ -242,8 +243,8 @@ def trainer_run(tmp_path, collector: Collector) -> None:
     collector.read(trainer.model, trainer, callback)
 
 
-def custom_loop(collector: Collector, engine: str = "sync", give_up: bool = True) -> None:
-    net = model()
+def custom_loop(collector: Collector, engine: str = "sync", give_up: bool = True, build=model) -> None:
+    net = build()
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     net.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -310,6 +311,7 @@ CLIENTS = {
     "trainer": lambda tmp_path, c: trainer_run(tmp_path, c),
     "custom loop": lambda tmp_path, c: custom_loop(c),
     "custom loop, stream engine": lambda tmp_path, c: custom_loop(c, "stream", give_up=False),
+    "custom loop, a container model": lambda tmp_path, c: custom_loop(c, give_up=False, build=remote_model),
     "accelerate": lambda tmp_path, c: accelerate_loop(c),
     "lightning": lambda tmp_path, c: lightning_run(tmp_path, c),
 }
