@@ -20,7 +20,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 
-from ..guard import ModifiedInPlace, StepFaults, in_step
+from ..guard import ModifiedInPlace, StepFaults, in_step, shielded_method
 from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
 
@@ -80,15 +80,25 @@ def storage_keys(layer_input: LayerInput) -> set:
 
 
 class _Loan:
-    """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor."""
+    """A host buffer lent to one saved tensor; back to the manager when autograd lets go of the tensor.
+
+    Known gap (issue 49, 1.6): a Ctrl-C whose ``KeyboardInterrupt`` Python raises while ``__del__`` runs (at any
+    bytecode of it, or of ``HostMemory.give``) is swallowed, as every exception out of a finalizer is, and a buffer
+    not yet back stays lent. The shield cannot help: it catches ``Exception``, and a finalizer cannot re-raise. The
+    fix is to run no Python code at the return: a ``weakref.ref(loan, returned.append)`` whose callback is a deque's
+    ``append`` (C, so no signal handler runs inside it), the deque drained by the manager at its next call (a take,
+    a give, a step's end, ``release_all``, a read of ``lent_bytes``). Left for now: ``lent_bytes`` is read as an
+    attribute everywhere, the stream engine's return must first wait for its copy's event, and when a buffer can be
+    used again would change, which needs a GPU run to check."""
 
     __slots__ = ("buffer", "faults", "host")
 
     def __init__(self, host: HostMemory, buffer: HostBuffer, faults: StepFaults) -> None:
         self.host, self.buffer, self.faults = host, buffer, faults
 
+    @shielded_method(RETURN, lambda loan: loan.faults, lambda loan: loan.host.give(loan.buffer, drop=True))
     def __del__(self) -> None:
-        self.faults.shield(RETURN, self.host.give, lambda buffer: self.host.give(buffer, drop=True))(self.buffer)
+        self.host.give(self.buffer)
 
 
 class SavedVersion:
