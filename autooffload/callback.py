@@ -31,7 +31,7 @@ from .guard import guarded
 from .history import history_path, truncate_history
 from .observe.paths import deepspeed_config_warning, trainer_offload_warning
 from .observe.probe import MemoryProbe
-from .settings import ENV_PREFIX, Settings, offload_mode
+from .settings import ENV_PREFIX, Settings, SettingsError, offload_mode
 
 PEAKED_DELTA = "train_mem_gpu_peaked_delta"
 # The log wrappers autooffload put on a Trainer (each calls its ``__wrapped__``): known by identity, never by an
@@ -58,6 +58,22 @@ def _running_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back
     return None
+
+
+def _controller(explicit: dict[str, Any], probe: Any, policy: Any) -> OffloadController:
+    """The callback's controller. A setting autooffload cannot use is the caller's to fix, and raises
+    (:class:`~autooffload.settings.SettingsError`); any other failure is autooffload's, and must not stop the job
+    before it starts: a controller that gave up (one warning, plain checkpointing for the run), made of the
+    defaults and no probe. Its ``where`` is not ``attach``: under torch.distributed the join it owes the other
+    ranks is made at the attach they make it in (``Fallback.attach_refused``), not here."""
+    try:
+        return OffloadController(Settings.from_env(**explicit), probe=probe, policy=policy)
+    except SettingsError:
+        raise
+    except Exception as error:
+        controller = OffloadController(Settings(mode="off"), probe=None)
+        controller.give_up("the callback's construction", error)
+        return controller
 
 
 class AutoOffloadCallback(TrainerCallback, ExportableState):
@@ -108,7 +124,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.controller = OffloadController(Settings.from_env(**self.explicit), probe=probe, policy=policy)
+        self.controller = _controller(self.explicit, probe, policy)
         self._log_wrapped = False
         self._training = False  # from on_train_begin to on_train_end (or abandon)
         self.history_path: Path | None = None
