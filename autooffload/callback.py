@@ -370,12 +370,15 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
         trainer.add_callback(callback)
     elif kwargs:
         raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
-    refusal = rescue_refusal(trainer)
-    if refusal is None:
-        with_rescue(trainer, lambda: (current() or callback).controller)
-    elif callback.controller.settings.rescue:
-        callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
-    _clean_up_when_train_raises(trainer, lambda: current() or callback)
+    try:  # the rescue and the clean-up: a failure of autooffload's here gives up, it does not stop the job
+        refusal = rescue_refusal(trainer)
+        if refusal is None:
+            with_rescue(trainer, lambda: (current() or callback).controller)
+        elif callback.controller.settings.rescue:
+            callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
+        _clean_up_when_train_raises(trainer, lambda: current() or callback)
+    except Exception as error:
+        callback.controller.give_up("attach(trainer)", error)
     return callback
 
 

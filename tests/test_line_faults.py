@@ -83,3 +83,49 @@ def test_a_failure_while_attach_builds_the_controller_trains_on_with_plain_check
             InOrderTrainer(model=model(), args=training_args(tmp_path, 1, offload=None), train_dataset=dataset([64])),
             seq_high=-1,
         )
+
+
+class DictBackedStep:
+    """A user's ``training_step`` replacement: a callable whose ``__getattr__`` reads a dict (KeyError, not
+    AttributeError, for an attribute it lacks, such as ``__wrapped__``)."""
+
+    def __init__(self, step) -> None:
+        self.fields = {"step": step}
+
+    def __getattr__(self, name: str):
+        return self.__dict__["fields"][name]
+
+    def __call__(self, *args, **kwargs):
+        return self.fields["step"](*args, **kwargs)
+
+
+def test_a_failure_while_attach_wraps_the_trainer_trains_on_with_plain_checkpointing(tmp_path):
+    """Found by the line-level run: a failure in ``attach(trainer)`` after the callback was added (the rescue's
+    checks and wrapper, the clean-up wrapper of ``train``) raised out of ``attach``. A real trigger: a
+    ``training_step`` the user replaced with a callable whose ``__getattr__`` raises KeyError (the rescue looks for
+    its ``__wrapped__``). The run must train with one warning and plain checkpointing's losses."""
+    import torch
+    from conftest import InOrderTrainer, dataset, model, training_args
+
+    from autooffload import AutoOffloadWarning
+    from autooffload.callback import attach
+
+    def run(ours: bool):
+        net = model()
+        trainer = InOrderTrainer(
+            model=net, args=training_args(tmp_path, 2, offload=None), train_dataset=dataset([64, 128])
+        )
+        trainer.training_step = DictBackedStep(trainer.training_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AutoOffloadWarning)
+            if ours:
+                attach(trainer, mode="on", probe=None)
+            trainer.train()
+        warned = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, [p.detach().clone() for p in net.parameters()], warned
+
+    plain_losses, plain_parameters, _ = run(ours=False)
+    losses, parameters, warned = run(ours=True)
+    assert len(warned) == 1 and "attach(trainer)" in warned[0] and "KeyError" in warned[0], warned
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(parameters, plain_parameters, strict=True))
