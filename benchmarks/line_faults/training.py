@@ -59,6 +59,21 @@ def ours_on(model: torch.nn.Module) -> int:
     return left + len(names & {"checkpoint_offload", "checkpoint_keep", "checkpoint_keep_measured"})
 
 
+class Tokens(torch.utils.data.Dataset):
+    """Sequences of the given lengths, each from its seeded generator (the benchmark's own: autooffload.demo's
+    dataset would put lines of autooffload's in the data loader)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (self.lengths[index],), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
 CHILD: dict[str, Any] = {}  # in a child forked at a line (forking.spawn): "write", the pipe its result goes down
 
 
@@ -71,7 +86,7 @@ def train(mode: str, world: int, rank: int, target: tuple[str, int] | None, out:
 
     from autooffload import AutoOffloadWarning, SimulatedDevice, attach
     from autooffload.apply.host_memory import HostMemory, pageable
-    from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
+    from autooffload.demo import checkpointing_arguments, tiny_qwen3
 
     losses: list[float] = []
     MOMENT.update(step=0, micro=0, evaluating=False, backward=False)
@@ -117,19 +132,20 @@ def train(mode: str, world: int, rank: int, target: tuple[str, int] | None, out:
     sys.unraisablehook = lambda u: result["unraisable"].append(f"{u.exc_type.__name__}: {u.exc_value} in {u.object!r}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AutoOffloadWarning)
-        trainer = InOrder(model=model, args=args, train_dataset=MixedLengths(lengths, VOCAB),
-                          eval_dataset=MixedLengths([48, 96], VOCAB), callbacks=[Steps()])  # fmt: skip
+        trainer = InOrder(model=model, args=args, train_dataset=Tokens(lengths), eval_dataset=Tokens([48, 96]),
+                          callbacks=[Steps()])  # fmt: skip
+        # what the user builds: made before the trace starts (a constructor's failure raises to its caller's line)
+        probe = SimulatedDevice(DEVICE_BYTES)
+        # host buffers as on a GPU (pinned, a stand-in for cudaHostRegister), so that their lines run here
+        host = HostMemory(None, pin=True, allocate=pageable, register=lambda b: None, unregister=lambda b: None,
+                          drain=lambda d: None, memory=lambda: (1 << 40, 1 << 41))  # fmt: skip
         tracer = Lines(target) if mode == "inject" else Lines(**fork) if mode == "trace" else None
         callback = None
         try:
             with tracer if tracer is not None else contextlib.nullcontext():
                 if mode in ("trace", "ours", "inject"):
-                    callback = attach(trainer, probe=SimulatedDevice(DEVICE_BYTES), recompute="auto")
-                    # host buffers as on a GPU (pinned, a stand-in for cudaHostRegister), so their lines run here
-                    callback.controller.host = HostMemory(
-                        None, pin=True, allocate=pageable, register=lambda b: None, unregister=lambda b: None,
-                        drain=lambda d: None, memory=lambda: (1 << 40, 1 << 41),
-                    )  # fmt: skip
+                    callback = attach(trainer, probe=probe, recompute="auto")
+                    callback.controller.host = host
                 trainer.train()
         except BaseException as error:  # what escaped into the user's training is the finding
             result["error"] = "".join(traceback.format_exception(error))[-4000:]
