@@ -359,27 +359,35 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     is not safe (DeepSpeed, FSDP, a Trainer that overrides ``_prepare_inputs`` like TRL's GRPO), there is no
     rescue, and one warning says why.
     """
-    from .rescue import rescue_refusal, with_rescue
+    callback: AutoOffloadCallback | None = None  # once there is one
+    try:  # a failure of autooffload's gives up (one warning, plain checkpointing); it does not stop the job
+        from .rescue import rescue_refusal, with_rescue
 
-    def current() -> AutoOffloadCallback | None:
-        return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+        def current() -> AutoOffloadCallback | None:
+            return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
 
-    callback = current()
-    if callback is None:
-        callback = AutoOffloadCallback(**kwargs)
-        trainer.add_callback(callback)
-    elif kwargs:
-        raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
-    try:  # the rescue and the clean-up: a failure of autooffload's here gives up, it does not stop the job
+        found = current()
+        if found is None:
+            found = AutoOffloadCallback(**kwargs)
+            trainer.add_callback(found)
+        elif kwargs:
+            raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
+        callback = found
         refusal = rescue_refusal(trainer)
         if refusal is None:
-            with_rescue(trainer, lambda: (current() or callback).controller)
-        elif callback.controller.settings.rescue:
-            callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
-        _clean_up_when_train_raises(trainer, lambda: current() or callback)
+            with_rescue(trainer, lambda: (current() or found).controller)
+        elif found.controller.settings.rescue:
+            found.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
+        _clean_up_when_train_raises(trainer, lambda: current() or found)
+    except (SettingsError, TypeError):  # the caller's arguments
+        raise
     except Exception as error:
+        if callback is None:
+            callback = AutoOffloadCallback(mode="off", probe=None)
+            trainer.add_callback(callback)
         callback.controller.give_up("attach(trainer)", error)
-    return callback
+        return callback
+    return found
 
 
 def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
