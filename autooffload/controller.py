@@ -66,7 +66,7 @@ class OffloadController(Run):
         the run's optimizer, so that state it has not allocated yet (Adam's) is foreseen before a reading holds it."""
         compiled, model = is_compiled(model) if compiled is None else compiled, compiled_module(model)
         if self.failed:
-            return self.fallback.attach_refused()  # under torch.distributed the other ranks are in the join
+            return self.fallback.attach_refused(model)  # under torch.distributed the other ranks are in the join
         self.detach()
         lifecycle.take_over(model, self)
         self._model = model  # from here on, a failure leaves this model on plain checkpointing

@@ -34,10 +34,12 @@ it, the end's collective is of the same size as an agreement (the worst peak rid
 own), so a rank that ended meets the others' next agreement, and they learn it there: no rank makes another.
 
 Each collective's bookkeeping (the join made, a micro-batch's agreement no longer due, the end reached) is marked
-only once everything that can fail before the ``torch.distributed`` call has run (the message built, the side group
-made): a failure before the call leaves the collective owed, so the give-up makes it (:mod:`autooffload.fallback`)
-where the other ranks wait in it. Marked before, a rank that failed there skipped it: its next collective (DDP's
-gradient all-reduce) met the others' agreement and gloo aborted both, or the others waited out the timeout.
+only as the ``torch.distributed`` call is entered, once everything that can fail before it has run (the message
+built, the side group made, the rank read, the tensor made: the ``made`` of :func:`all_reduce_max` and
+:func:`join_ranks`): a failure before the call leaves the collective owed, so the give-up makes it
+(:mod:`autooffload.fallback`) where the other ranks wait in it. Marked before, a rank that failed there skipped it:
+its next collective (DDP's gradient all-reduce) met the others' agreement and gloo aborted both, or the others waited
+out the timeout.
 
 A rank that gives up (:mod:`autooffload.guard`) cannot simply stop making these collectives: the others would
 meet their next one (DDP's gradient all-reduce: gloo aborts both) or wait in it (NCCL, with the agreement on a
@@ -108,24 +110,33 @@ class AgreementGroup:
             self.device = collective_device()
 
 
-def all_reduce_max(values: list[int], group: AgreementGroup | None = None) -> list[int]:
+def all_reduce_max(
+    values: list[int], group: AgreementGroup | None = None, made: Callable[[], None] | None = None
+) -> list[int]:
     """The largest of each of ``values`` over all ranks (a collective: every rank must call it).
-    Without ``group``, over the default group on its backend's device."""
+    Without ``group``, over the default group on its backend's device. ``made()``: called as the collective is
+    entered, once everything before it went through (the caller's mark that it was made, module docs)."""
     device = collective_device() if group is None else group.device
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    if made is not None:
+        made()
     torch.distributed.all_reduce(
         tensor, op=torch.distributed.ReduceOp.MAX, group=None if group is None else group.group
     )
     return tensor.tolist()
 
 
-def join_ranks(ready: bool, gave_up: bool, group: AgreementGroup) -> tuple[bool, int | None]:
+def join_ranks(
+    ready: bool, gave_up: bool, group: AgreementGroup, made: Callable[[], None] | None = None
+) -> tuple[bool, int | None]:
     """The join at attach (a collective, once per run): whether ``ready`` holds on every rank, and the rank that gave
     up (``gave_up`` on it; the highest such rank), or None. A rank that found no layer to control makes none of the
     collectives the others make per micro-batch and at the end; they would wait for it forever, so then no rank
-    makes them."""
+    makes them. ``made()``: called as the collective is entered, once everything before it went through."""
     rank = torch.distributed.get_rank()
     tensor = torch.tensor([int(not ready), rank + 1 if gave_up else 0], dtype=torch.int64, device=group.device)
+    if made is not None:
+        made()
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group.group)
     not_ready, quitter = tensor.tolist()
     return not_ready == 0, quitter - 1 if quitter else None
@@ -257,9 +268,10 @@ class RankAgreement:
         self.ranks_agree, self.due, self.owing = False, False, False
         self.warn("uneven-micro-batches", UNEVEN.format(why))
 
-    def _exchange(self, values: list[int]) -> list[int] | None:
-        """One collective of :func:`message`'s integers; None where a rank was at its end and this one was not."""
-        result = all_reduce_max(values, self.group)
+    def _exchange(self, values: list[int], made: Callable[[], None]) -> list[int] | None:
+        """One collective of :func:`message`'s integers (``made()`` as it is entered); None where a rank was at its
+        end and this one was not."""
+        result = all_reduce_max(values, self.group, made)
         if result[ENDED] and not values[ENDED]:
             self.out_of_step("a rank ended its run while this one has micro-batches left")
             return None
@@ -276,8 +288,7 @@ class RankAgreement:
         self.end_run()
         if self.group is None:
             self.group = AgreementGroup()
-        self.joined = True  # made from here on: join_ranks enters the collective (module docs)
-        self.ranks_agree, quitter = join_ranks(ready, gave_up, self.group)
+        self.ranks_agree, quitter = join_ranks(ready, gave_up, self.group, self._joined)
         if quitter is not None:
             self.gave_up, self.ranks_agree = quitter, False
             if not gave_up:
@@ -289,6 +300,16 @@ class RankAgreement:
                 "offload level: each decides alone (AUTOOFFLOAD_SYNC_RANKS=0 silences this)",
             )
 
+    # The marks that a collective was made, each set as its torch.distributed call is entered (module docs).
+    def _joined(self) -> None:
+        self.joined = True
+
+    def _agreed(self) -> None:
+        self.due = False  # a failure after this point owes the next micro-batch's agreement
+
+    def _told(self) -> None:
+        self.due, self.owing = False, False
+
     def agree(self, level: int, cap: int, keep: int, layers: int) -> tuple[int, int]:
         """The plan every rank runs: the most offload any rank asked for, capped at the smallest rank's host-memory
         ``cap``, and the least keep (``recompute="auto"``), in one collective, when there is a group to ask. Raises
@@ -296,8 +317,7 @@ class RankAgreement:
         if not self.per_micro_batch():
             return level, keep
         values = message(level, cap, keep)
-        self.due = False  # made from here on: a failure after this point owes the next one
-        result = self._exchange(values)
+        result = self._exchange(values, self._agreed)
         if result is None:
             return level, keep
         if result[QUITTER]:
@@ -309,8 +329,7 @@ class RankAgreement:
         """This rank gave up inside a micro-batch whose agreement is due, or at the next one's start: make that
         collective now with the flag (and nothing else, since this rank's parts may be broken)."""
         values = message(quitter=torch.distributed.get_rank() + 1)
-        self.due, self.owing = False, False
-        result = self._exchange(values)
+        result = self._exchange(values, self._told)
         if result is not None:
             self.gave_up = result[QUITTER] - 1
 
@@ -324,8 +343,7 @@ class RankAgreement:
         rank, world = torch.distributed.get_rank(), world_size()
         values = message(quitter=rank + 1 if self.owing else 0, ended=True, peak=peak_code(fraction, rank, world))
         owing = self.owing
-        self.end_run()  # made from here on
-        result = all_reduce_max(values, self.group)
+        result = all_reduce_max(values, self.group, self.end_run)  # made, and the run ended, as it is entered
         if not result[ALL_ENDED]:  # another rank was still in a micro-batch: it learned that this one ended
             self.warn(
                 "uneven-micro-batches", UNEVEN.format("this rank ended its run while another had micro-batches left")

@@ -43,9 +43,12 @@ import torch
 from .apply.functions import install_plain
 from .apply.hooks import ForwardHooks
 from .distributed import RankAgreement, RankGaveUp
+from .guard import StepFaults, in_step, nothing
 from .observe.inputs import read_micro_batch
 from .observe.layout import ModelLayout
 from .observe.stacks import Stack
+
+PLAIN_CHECK = in_step("plain checkpointing's check")
 
 # The entry points that run before a run's join: a rank that fails in one of them joins the others at once.
 BEFORE_JOIN = ("attach", "on_train_begin", "Lightning on_train_start")
@@ -112,7 +115,8 @@ class PlainCheckpointing:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.installed = install_plain(model)
-        self._handle = model.register_forward_pre_hook(self._before)
+        # Shielded: where the check fails, the functions found stay (the run gave up already: noted nowhere).
+        self._handle = model.register_forward_pre_hook(StepFaults().shield(PLAIN_CHECK, self._before, nothing))
 
     @torch.compiler.disable
     def _before(self, module: torch.nn.Module, args: tuple) -> None:
@@ -206,9 +210,12 @@ class Fallback:
             self.plain.remove()
             self.plain = None
 
-    def attach_refused(self) -> bool:
+    def attach_refused(self, model: torch.nn.Module) -> bool:
         """``attach`` on a controller that gave up in this run: attach nothing (False, what ``attach`` returns), but
-        make the join the other ranks make there, with the flag, where this run's join is still owed."""
+        put plain checkpointing on ``model`` (the trainer's own functions may carry an ``offload`` key that fails or
+        always offloads), and make the join the other ranks make there, with the flag, where it is still owed."""
+        with contextlib.suppress(Exception):  # the functions found stay
+            self.keep_plain(model)
         agreement = self.agreement
         if agreement.active() and not agreement.joined:
             agreement.join(False, gave_up=True)

@@ -25,6 +25,15 @@ shielded (:meth:`StepFaults.shield`): where it raises, the step goes on as plain
 :class:`StepFaults`; the next entry point gives up with it, before its own body, as if it had failed there (one
 warning naming the place; under torch.distributed every rank follows, :mod:`autooffload.fallback`).
 
+Every callable the one or the other returns carries its name in :data:`SHIELD` (``__autooffload_shield__``), which
+``functools.wraps`` copies onto a wrapper (``torch.compiler.disable``'s): a test collects every callable of
+autooffload's that torch, transformers, accelerate or Lightning hold (hooks, saved-tensor hooks, checkpoint
+functions, the Trainer's wrapped ``log``, callback methods, optimizer hooks, finalizers) and fails on one without it
+(``tests/test_shield_enumeration.py``). A checkpoint function is the one kind of callable that is neither: it runs
+the user's layer, whose errors are the step's, so it cannot run shielded as a whole; its own work runs in shielded
+places, and :func:`passes_on` marks it with them (and so
+a wrapper of a trainer's method whose own work is to call the method and an entry point).
+
 Everything below the entry points and the shielded places may raise freely; inner ``try``/``except`` is for
 failures that have a better fallback than giving up (a probe that stops reading, a user's policy that raises).
 """
@@ -38,6 +47,9 @@ from typing import Any, Protocol, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
+
+# The attribute that names, on a callable handed to torch or a trainer, the entry point or in-step place it runs as.
+SHIELD = "__autooffload_shield__"
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,13 +90,18 @@ class StepFaults:
                     place.fault()
                 return function(*args)
             except Exception as error:
-                if training_error(error):
-                    raise
-                if self.first is None:
-                    self.first = (place.where, error.with_traceback(None))
+                self.note(place, error)
                 return fallback(*args)
 
+        setattr(shielded, SHIELD, place.where)
         return shielded
+
+    def note(self, place: InStep, error: Exception) -> None:
+        """``error`` raised at ``place``: kept if it is the first, raised again if it is the step's own."""
+        if training_error(error):
+            raise error
+        if self.first is None:
+            self.first = (place.where, error.with_traceback(None))
 
     def take(self) -> tuple[str, Exception] | None:
         """The failure noted first since the last take (None: none), forgotten here."""
@@ -92,8 +109,40 @@ class StepFaults:
         return first
 
 
-def nothing(*args: Any) -> None:
+def nothing(*args: Any, **kwargs: Any) -> None:
     """The fallback of a place whose work can be left undone (a count, a report, a buffer given back)."""
+
+
+def shielded_method(
+    place: InStep, faults: Callable[[Any], StepFaults], fallback: Callable[..., Any]
+) -> Callable[[F], F]:
+    """Decorate a method that Python or torch calls on an object of autooffload's (a finalizer: ``__del__``) to run
+    as :meth:`StepFaults.shield` runs a function, its failure noted in ``faults(owner)``, ``fallback(owner, *args,
+    **kwargs)`` in its place (a method a trainer calls outside any entry point's reach in the fault matrix too)."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def shielded(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if place.fault is not None:
+                    place.fault()
+                return method(owner, *args, **kwargs)
+            except Exception as error:
+                faults(owner).note(place, error)
+                return fallback(owner, *args, **kwargs)
+
+        setattr(shielded, SHIELD, place.where)
+        return shielded  # type: ignore[return-value]
+
+    return decorate
+
+
+def passes_on(function: F, *to: str) -> F:
+    """Mark ``function`` as one whose own work is to pass a call on: to code that is not autooffload's (a checkpoint
+    function runs the user's layer, whose errors are the step's; a wrapper runs the training step) and to the
+    entry points or shielded places named in ``to``, where autooffload's own work runs (the module docstring)."""
+    setattr(function, SHIELD, "passes on to " + (", ".join(to) if to else "the caller's code"))
+    return function
 
 
 class Guarded(Protocol):
@@ -150,6 +199,7 @@ def guarded(where: str, default: Any = None, *, always: bool = False) -> Callabl
                 controller.give_up(where, error)
                 return default
 
+        setattr(entry, SHIELD, where)
         return entry  # type: ignore[return-value]
 
     return decorate

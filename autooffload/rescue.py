@@ -63,6 +63,9 @@ from typing import Any, TypeVar
 import torch
 
 from .controller import OffloadController
+from .guard import in_step, passes_on
+
+STEP_START = in_step("the rescue's step start")
 
 Result = TypeVar("Result")
 MAX_LINKS = 8  # wrappers followed down to one of autooffload's
@@ -200,11 +203,20 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
     earlier: list[tuple[Any, tuple, dict]] = []
     current: dict[str, Any] = {"state": None, "step": None, "rng": None}
 
-    def training_step(model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def remember() -> None:
         state = trainer.state  # a new object for every train() call, so a new run never replays an old step
         if current["state"] is not state or current["step"] != state.global_step:
             current.update(state=state, step=state.global_step, rng=_rng_state())
             earlier.clear()
+
+    def forget() -> None:
+        """Remembering failed: this step cannot be replayed, and an out-of-memory error in it goes on as it is."""
+        current.update(state=None, step=None, rng=None)
+        earlier.clear()
+
+    def training_step(model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        owner = controller() if callable(controller) else controller
+        owner.faults.shield(STEP_START, remember, forget)()
         try:
             loss = inner(model, inputs, *args, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -213,7 +225,7 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
             earlier.append((inputs, args, kwargs))
             return loss
 
-        refusal = rescue_refusal(trainer, model)
+        refusal = rescue_refusal(trainer, model) if current["state"] is not None else "this step was not remembered"
         if refusal is not None:
             _note(failed, f"autooffload: no rescue: {refusal}")
             raise failed
@@ -228,6 +240,7 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
         return loss
 
     training_step.__wrapped__ = inner  # type: ignore[attr-defined]
+    passes_on(training_step, STEP_START.where, "rescue")
     _RESCUING.add(training_step)
     trainer.training_step = training_step
 

@@ -98,7 +98,7 @@ class Run:
         self.host = host if host is not None else HostMemory(copy_cpu=bool(getattr(probe, "separate_host", False)))
         self._owns_host = host is None  # a manager passed in is the caller's: detach leaves its buffers to it
         self.sizes = LayerSizes()
-        self.memory = MemoryMonitor(probe, self.warn)
+        self.memory = MemoryMonitor(probe, self.warn, self.faults)
         self.agreement = RankAgreement(settings, self.warn, self.faults)
         self.fallback = Fallback(self.agreement, self.warn)
         policy = None if isinstance(policy, str) else policy

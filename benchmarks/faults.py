@@ -183,7 +183,9 @@ def entry_points() -> dict[str, Any]:
 
 def places() -> dict[str, Any]:
     """Every place of autooffload's code inside a training step (``autooffload.guard.IN_STEP``), by its name."""
-    import autooffload.controller  # noqa: F401  (imports every module that registers a place)
+    import autooffload.callback  # (imports every module that registers a place: the controller's, the callback's)
+    import autooffload.observe.simulated
+    import autooffload.rescue  # noqa: F401
     from autooffload.guard import IN_STEP
 
     return dict(IN_STEP)

@@ -74,10 +74,10 @@ def count_collectives() -> list[int]:
     calls = [0, 0]
     real = autooffload_distributed.all_reduce_max
 
-    def counting(values: list[int], group=None) -> list[int]:
+    def counting(values: list[int], group=None, made=None) -> list[int]:
         calls[0] += 1
         calls[1] += int(group is not None and group.side)
-        return real(values, group)
+        return real(values, group, made)
 
     autooffload_distributed.all_reduce_max = counting
     return calls
@@ -706,7 +706,8 @@ def collective_fault_run(rank: int, inject: str) -> dict:
     """A raw DDP loop (no accumulation: every micro-batch's backward all-reduces the gradients) over a tiny Qwen3,
     with ``OffloadController`` unless ``inject`` is "none"; rank 1 fails between a collective's bookkeeping and its
     ``torch.distributed`` call: building its second micro-batch's agreement ("agree"), making the side group before
-    the join at attach ("join"), or building the end's message in ``finish`` ("worst")."""
+    the join at attach ("join"), reading its rank for the join's tensor ("join-rank"), or building the end's message
+    in ``finish`` ("worst")."""
     import warnings
 
     from torch.nn.parallel import DistributedDataParallel
@@ -714,6 +715,9 @@ def collective_fault_run(rank: int, inject: str) -> dict:
     from autooffload import AutoOffloadWarning
 
     real = {name: getattr(autooffload_distributed, name) for name in ("message", "AgreementGroup", "all_reduce_max")}
+    get_rank = torch.distributed.get_rank
+    if rank == 1 and inject == "join-rank":
+        torch.distributed.get_rank = injected_once(get_rank, lambda *a, **k: joining())
     if rank == 1 and inject == "agree":
         built = [0]
 
@@ -755,6 +759,7 @@ def collective_fault_run(rank: int, inject: str) -> dict:
     finally:
         for name, value in real.items():
             setattr(autooffload_distributed, name, value)
+        torch.distributed.get_rank = get_rank
     return {
         "losses": losses,
         "parameters": parameter_digest(model),
@@ -766,7 +771,17 @@ def collective_fault_run(rank: int, inject: str) -> dict:
 
 def collective_faults(rank: int, out: Path) -> dict:
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    return {inject: collective_fault_run(rank, inject) for inject in ("none", "agree", "join", "worst")}
+    return {inject: collective_fault_run(rank, inject) for inject in ("none", "agree", "join", "join-rank", "worst")}
+
+
+def joining() -> bool:
+    """Is the agreement's join (``RankAgreement.join``) on the call stack?"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "join" and frame.f_globals.get("__name__") == autooffload_distributed.__name__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Experiment:

@@ -82,7 +82,7 @@ def two_ranks(monkeypatch) -> None:
     """Two ranks as this rank sees them, both with layers: the join at attach makes no collective."""
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)
-    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group: (True, None))
+    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group, made: made() or (True, None))
 
 
 def fake_group(monkeypatch, group_level: int) -> list[int]:
@@ -90,7 +90,8 @@ def fake_group(monkeypatch, group_level: int) -> list[int]:
     sent: list[int] = []
     two_ranks(monkeypatch)
 
-    def group(values, group=None):
+    def group(values, group=None, made=None):
+        made()
         level, *rest = values
         sent.append(level)
         return [max(level, group_level), *rest]
@@ -100,7 +101,7 @@ def fake_group(monkeypatch, group_level: int) -> list[int]:
 
 
 def test_without_a_process_group_no_collective_is_made(monkeypatch):
-    def no_collective(values, group=None):
+    def no_collective(values, group=None, made=None):
         raise AssertionError("collective without a process group")
 
     monkeypatch.setattr(distributed, "all_reduce_max", no_collective)
@@ -124,7 +125,9 @@ def test_the_group_level_runs_and_the_policy_follows_it(monkeypatch, name):
     assert (policy.offloading, policy.last_switch_step) == (True, 0)
     controller.end_step()
 
-    monkeypatch.setattr(distributed, "all_reduce_max", lambda values, group=None: sent.append(values[0]) or values)
+    monkeypatch.setattr(
+        distributed, "all_reduce_max", lambda values, group=None, made=None: made() or sent.append(values[0]) or values
+    )
     assert controller.before_forward(64, 64) == LAYERS  # inside the dwell: still on, now by its own decision
     controller.end_step()
     controller.end_step()
@@ -160,7 +163,9 @@ def test_the_group_runs_the_smallest_host_cap(monkeypatch):
     two_ranks(monkeypatch)
     # The other rank asks for no offload, but its host budget holds only one layer's input.
     monkeypatch.setattr(
-        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [values[0], -1, *values[2:]]
+        distributed,
+        "all_reduce_max",
+        lambda values, group=None, made=None: made() or sent.append(values) or [values[0], -1, *values[2:]],
     )
     controller = attached(Settings(seq_high=200, seq_low=100, policy="hysteresis"))
     assert controller.before_forward(256, 256) == 1
@@ -465,21 +470,24 @@ def test_a_rank_failing_before_a_collective_makes_it_with_the_flag(tmp_path):
     marked the collective made first: rank 1 skipped the agreement and its gradient all-reduce met rank 0's agreement
     (gloo aborted both), skipped the join (rank 0's join met rank 1's DDP broadcast), or left rank 0 alone in the
     end's gather. Now the failed rank makes the collective it owes, with the flag: both ranks finish every step with
-    the losses and parameters of a run without autooffload, the same collectives, one warning each."""
+    the losses and parameters of a run without autooffload, the same collectives, one warning each. The join's mark
+    came after the side group but before ``join_ranks`` read the rank and made its tensor ("join-rank"): rank 1 failing
+    there skipped the join, and rank 0's join met rank 1's DDP broadcast."""
     ranks = run_ranks("collective_faults", tmp_path, timeout_s=240)
     for result in ranks:
         plain = result["none"]
         assert len(plain["losses"]) == len(LENGTHS)
-        for case in ("agree", "join", "worst"):
+        for case in ("agree", "join", "join-rank", "worst"):
             run = result[case]
             assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"], case
             assert run["pre_hooks"] == 0, case
     # The second micro-batch's agreement carried the flag; no agreement at all (the join told); four and the end's.
-    for case, collectives in (("agree", 2), ("join", 0), ("worst", len(LENGTHS) + 1)):
+    for case, collectives in (("agree", 2), ("join", 0), ("join-rank", 0), ("worst", len(LENGTHS) + 1)):
         assert ranks[0][case]["collectives"] == ranks[1][case]["collectives"] == collectives, case
     for case, where, since in (
         ("agree", "the pre-forward hook", "every rank goes on with plain checkpointing from this micro-batch on"),
         ("join", "attach", "every rank goes on with plain checkpointing from the start"),
+        ("join-rank", "attach", "every rank goes on with plain checkpointing from the start"),
         ("worst", "finish", "this rank learned it at the end"),
     ):
         (mine,) = ranks[1][case]["warnings"]

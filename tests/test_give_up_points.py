@@ -25,10 +25,11 @@ def events(monkeypatch) -> list[str]:
     seen: list[str] = []
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)
-    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group: (True, None))
+    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group, made: made() or (True, None))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
 
-    def group(values, group=None):
+    def group(values, group=None, made=None):
+        made()
         seen.append("tell" if values[3] else "agree")
         return values
 

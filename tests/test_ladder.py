@@ -399,10 +399,12 @@ def test_ranks_agree_on_the_most_offload_and_the_least_keep(monkeypatch):
     sent = []
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "AgreementGroup", lambda: None)  # the join at attach: both ranks have layers
-    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group: (True, None))
+    monkeypatch.setattr(distributed, "join_ranks", lambda ready, gave_up, group, made: made() or (True, None))
     # The other rank asks for one kept layer; values are distributed.message()'s: [offload, -host cap, -keep, ...].
     monkeypatch.setattr(
-        distributed, "all_reduce_max", lambda values, group=None: sent.append(values) or [*values[:2], -1, *values[3:]]
+        distributed,
+        "all_reduce_max",
+        lambda values, group=None, made=None: made() or sent.append(values) or [*values[:2], -1, *values[3:]],
     )
     net = checkpointed(qwen3(dropout=0.0))
     controller = OffloadController(Settings(recompute="auto"), probe=Ample())

@@ -158,6 +158,7 @@ LIGHTNING_ENTRIES = (
     "Lightning on_train_batch_start",
     "Lightning on_train_batch_end",
     "Lightning on_save_checkpoint",
+    "Lightning state_dict",
     "Lightning on_train_end",
 )
 
@@ -173,6 +174,7 @@ def test_a_failure_at_an_entry_point_warns_once_and_fit_trains_as_plain(tmp_path
         *LIGHTNING_ENTRIES,
         "Lightning on_exception",
         "Lightning on_validation_end",
+        "Lightning load_state_dict",
     }
     point, calls = ENTRY_POINTS[where], []
     original = point.method

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..guard import StepFaults, in_step, nothing
+from ..guard import StepFaults, in_step, nothing, passes_on
 from ..observe.ours import register
 from ..observe.targets import checkpoint_wrapper_type, replaced, torch_checkpoint_kwargs
 from ..observe.wrapped import rewrap, wrapper_chain
@@ -38,7 +38,7 @@ def plain_function(
         def checkpoint_plain(function, *args, **call_kwargs):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
-        return checkpoint_plain
+        return passes_on(checkpoint_plain)
 
     count = torch.compiler.disable((faults or StepFaults()).shield(COUNT, counted, nothing))
 
@@ -46,7 +46,7 @@ def plain_function(
         count(args)
         return checkpoint(function, *args, **kwargs, **call_kwargs)
 
-    return checkpoint_plain
+    return passes_on(checkpoint_plain, COUNT.where)
 
 
 @torch.compiler.disable
@@ -69,7 +69,7 @@ def dispatch_function(calls: LayerCalls) -> Callable[..., Any]:
     def checkpoint_layer_call(function, *args, **call_kwargs):
         return calls.next()(function, *args, **call_kwargs)
 
-    return checkpoint_layer_call
+    return passes_on(checkpoint_layer_call, "the layer's own function")
 
 
 def offload_function(
@@ -102,7 +102,7 @@ def offload_function(
         with hooks(args):
             return checkpoint(function, *args, **kwargs, **call_kwargs)
 
-    return checkpoint_offload
+    return passes_on(checkpoint_offload, SETUP.where)
 
 
 def install_plain(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Callable[..., Any]]]:

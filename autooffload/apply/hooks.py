@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 
-from ..guard import StepFaults
+from ..guard import StepFaults, in_step
 from ..observe.stacks import Stack
 from .keep import count_backwards
+
+ENTRY = in_step("a watched call's entry")
+END = in_step("a watched call's end")
 
 Enter = Callable[[torch.nn.Module, Sequence[Stack] | None, tuple, dict, bool], "bool | None"]
 
@@ -61,6 +64,7 @@ class ForwardHooks:
         self._enter = enter
         self._deciding = deciding
         self._leave = leave
+        self._faults = faults or StepFaults()
         self.stacks: dict[torch.nn.Module, Sequence[Stack]] = {}  # each entry's stacks (the model: None)
         self.deferrable: dict[torch.nn.Module, bool] = {}  # whether a watched entry lies inside (the model too)
         self._handles = self._watch(model)
@@ -92,25 +96,61 @@ class ForwardHooks:
         # Under torch.compile the hooks are traced: each only reads ``active`` there, and runs eagerly (a graph break)
         # where it has something to do. An entry inside the model's call (the decoder inside a causal LM) then
         # breaks nothing: a break there split the compiled model into two graphs, the loss apart from the layers
-        # (tests/test_compile.py).
-        def before(entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.active is None:
-                self._begin(entered, args, kwargs)
-
-        def after(entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self.active is entered:
-                self._end(output is None)  # torch hands an always-call hook no output when forward raised
-
+        # (tests/test_compile.py). Each runs shielded; where it fails, the call is entered or left the shortest way
+        # (:meth:`_entered_anyway`, :meth:`_left_anyway`), so that the controller's entry point gives up at once.
         return [
-            module.register_forward_pre_hook(before, with_kwargs=True),
-            module.register_forward_hook(after, with_kwargs=True, always_call=True),
+            module.register_forward_pre_hook(
+                self._faults.shield(ENTRY, self._before, self._entered_anyway), with_kwargs=True
+            ),
+            module.register_forward_hook(
+                self._faults.shield(END, self._after, self._left_anyway), with_kwargs=True, always_call=True
+            ),
         ]
+
+    def _before(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.active is None:
+            self._begin(entered, args, kwargs)
+
+    def _after(self, entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.active is entered:
+            self._end(output is None)  # torch hands an always-call hook no output when forward raised
+
+    @torch.compiler.disable
+    def _entered_anyway(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """The entry hook failed (noted in the run's faults): ``enter`` takes the call as its stacks' entry, under
+        ``deciding`` as a training micro-batch, so that the controller's pre-forward hook gives up there with the
+        failure and hands over, and the rank owes no collective the others make at this call. Where a call is being
+        decided already (this one, past its start, or one around it), nothing: the next entry point gives up."""
+        if self.active is not None:
+            return
+        self.active = entered
+        deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
+        if deciding is not None:
+            deciding(True)
+        try:
+            enter = self._enter
+            enter(entered, None if entered is self.model else (), args, kwargs, False)
+            if self._enter is not enter:
+                self._enter(entered, None if entered is self.model else (), args, kwargs, False)
+        finally:
+            if deciding is not None:
+                deciding(False)
+
+    @torch.compiler.disable
+    def _left_anyway(self, entered: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The end hook failed (noted): the call is left, and ``leave`` told (the controller's post-forward hook, which
+        gives up with the failure)."""
+        if self.active is not entered:
+            return
+        self.active = None
+        if self._leave is not None:
+            self._leave(output is None)
 
     @torch.compiler.disable
     def _begin(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.active = entered
         stacks, deferrable = self.stacks.get(entered), self.deferrable.get(entered, False)
         deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
+        self.active = entered  # from here on the call is being decided: a failure does not enter it again
         if deciding is not None:
             deciding(True)
         try:

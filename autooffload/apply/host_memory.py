@@ -39,7 +39,6 @@ releasing one unregisters it and unmaps it, so the memory goes back to the opera
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import threading
@@ -49,12 +48,14 @@ from operator import attrgetter
 
 import torch
 
+from ..guard import StepFaults, in_step, nothing, shielded_method
 from ..observe.host_limits import Limit, host_memory, read_limits
 from ..settings import PAGE
 from ..warn import WarnOnce
 from .host_budget import process_budget, ranks_per_node
 from .pinning import cuda_drain, cuda_register, cuda_unregister, pageable
 
+FINALIZER = in_step("host memory's finalizer")
 MIN_FREE = 0.10
 RELEASE_AFTER_STEPS = 256
 _age, _size = attrgetter("last_step"), attrgetter("nbytes")  # sort keys of buffers
@@ -328,14 +329,13 @@ class HostMemory:
             self._wait_for_prepared(0, None)
             self._release([b for bs in self._free.values() for b in bs], None)
 
+    @shielded_method(FINALIZER, lambda host: StepFaults(), nothing)  # at worst the pages stay pinned
     def __del__(self, _finalizing=sys.is_finalizing) -> None:
-        # Nothing is on loan (a loan holds its manager), so every buffer is free: unpin before the mappings go.
-        # An unmapped range still registered stays pinned and may refuse a later registration at its address.
-        # ``sys`` itself may be gone at interpreter exit, hence the bound default.
+        # Nothing is on loan (a loan holds its manager), so every buffer is free: unpin before the mappings go (a range
+        # left registered stays pinned, and may refuse a later registration). ``sys`` may be gone at exit: bound here.
         if _finalizing():
             return
-        with contextlib.suppress(Exception):  # a finalizer must not raise; at worst the pages stay pinned
-            self.release_all()
+        self.release_all()
 
     def _new(self, size: int, device: torch.device) -> HostBuffer | None:
         try:

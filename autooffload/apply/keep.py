@@ -34,13 +34,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..decide.growth import BELOW, FORWARD, LAYER
-from ..guard import StepFaults, in_step, nothing
+from ..guard import StepFaults, in_step, nothing, passes_on
 from ..observe.saved import SavedBytesCounter, storage_key, tensors_in
 
 START = in_step("a measured layer call's start")
 REPORT = in_step("a measured layer call's report")
 BACKWARD = in_step("the backward counter")
 MARK = in_step("a measured layer call's marks")
+GRADIENT_MARK = in_step("a backward mark")
 
 
 def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) -> Callable[..., Any]:
@@ -53,7 +54,7 @@ def keep_function(plain: Callable[..., Any] | None = None, state: Any = None) ->
             return plain(function, *args, **call_kwargs)
         return function(*args, **call_kwargs)
 
-    return checkpoint_keep
+    return passes_on(checkpoint_keep)
 
 
 Report = Callable[[int, int], None]
@@ -66,27 +67,31 @@ class Marks:
     Never traced by dynamo (under torch.compile the measuring function's own frame runs eagerly, and what it calls
     would be compiled: a graph of its own for nothing)."""
 
-    def __init__(self, mark: Callable[[tuple], None] | None, key: object, position: int) -> None:
+    def __init__(
+        self, mark: Callable[[tuple], None] | None, key: object, position: int, faults: StepFaults | None = None
+    ) -> None:
         self.mark, self.key, self.position = mark, key, position
+        self.faults = faults or StepFaults()
 
     @torch.compiler.disable
     def enter(self, args: tuple) -> None:
         if self.mark is None or self.position != 0:
             return
         self.mark((FORWARD, self.key))
-        _on_gradient(args, self.mark, (BELOW, self.key))
+        _on_gradient(args, self.mark, (BELOW, self.key), self.faults)
 
     @torch.compiler.disable
     def leave(self, output: Any) -> None:
         if self.mark is not None:
-            _on_gradient((output,), self.mark, (LAYER, self.key, self.position))
+            _on_gradient((output,), self.mark, (LAYER, self.key, self.position), self.faults)
 
 
-def _on_gradient(values: Any, mark: Callable[[tuple], None], label: tuple) -> None:
-    """``mark(label)`` when the gradient of the first tensor in ``values`` that needs one is computed."""
+def _on_gradient(values: Any, mark: Callable[[tuple], None], label: tuple, faults: StepFaults) -> None:
+    """``mark(label)`` when the gradient of the first tensor in ``values`` that needs one is computed (shielded: a
+    mark missed leaves the gradient as it is)."""
     tensor = next((t for t in tensors_in(values) if t.requires_grad), None)
     if tensor is not None:
-        tensor.register_hook(lambda gradient: mark(label))
+        tensor.register_hook(faults.shield(GRADIENT_MARK, lambda gradient: mark(label), nothing))
 
 
 def _no_marks() -> Marks:
@@ -175,7 +180,7 @@ def measuring_keep_function(
         end_marks(mark, output)
         return output
 
-    return checkpoint_keep_measured
+    return passes_on(checkpoint_keep_measured, START.where, REPORT.where, MARK.where)
 
 
 def measuring_plain_function(
@@ -219,7 +224,7 @@ def measuring_plain_function(
         end_marks(mark, output)
         return output
 
-    return checkpoint_plain_measured
+    return passes_on(checkpoint_plain_measured, START.where, REPORT.where, MARK.where)
 
 
 def autocast_bytes(device_type: str) -> int:
@@ -239,8 +244,8 @@ def count_backwards(model: torch.nn.Module, on_backward: Callable[[], None], fau
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         return None
-    counted = (faults or StepFaults()).shield(BACKWARD, on_backward, nothing)
+    counted = (faults or StepFaults()).shield(BACKWARD, lambda parameter: on_backward(), nothing)
     try:
-        return trainable[-1].register_post_accumulate_grad_hook(lambda parameter: counted())
+        return trainable[-1].register_post_accumulate_grad_hook(counted)
     except (RuntimeError, AttributeError):  # a parameter kind without the hook
         return None

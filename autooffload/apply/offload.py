@@ -20,7 +20,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 
-from ..guard import ModifiedInPlace, StepFaults, in_step
+from ..guard import ModifiedInPlace, StepFaults, in_step, shielded_method
 from ..observe.saved import storage_key
 from .host_memory import HostBuffer, HostMemory
 
@@ -87,8 +87,9 @@ class _Loan:
     def __init__(self, host: HostMemory, buffer: HostBuffer, faults: StepFaults) -> None:
         self.host, self.buffer, self.faults = host, buffer, faults
 
+    @shielded_method(RETURN, lambda loan: loan.faults, lambda loan: loan.host.give(loan.buffer, drop=True))
     def __del__(self) -> None:
-        self.faults.shield(RETURN, self.host.give, lambda buffer: self.host.give(buffer, drop=True))(self.buffer)
+        self.host.give(self.buffer)
 
 
 class SavedVersion:

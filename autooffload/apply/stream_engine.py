@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from ..guard import StepFaults, in_step, nothing
+from ..guard import StepFaults, in_step, nothing, shielded_method
 from ..observe.saved import storage_key
 from .host_memory import cuda_drain
 from .offload import LayerInput, OffloadStats, SavedVersion, storage_keys
@@ -136,10 +136,8 @@ class _HostCopy:
         dtype, size, stride, offset = layout
         return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
 
+    @shielded_method(COPY_END, lambda packed: packed.engine.faults, lambda packed: packed._dropped())
     def __del__(self) -> None:
-        self.engine.faults.shield(COPY_END, self._end, self._dropped)()
-
-    def _end(self) -> None:
         if self.pending is not None:
             _target, ready, compute = self.pending
             self.engine.streams.wait(compute, ready)

@@ -284,7 +284,7 @@ class CheckpointSwitch:
 
     def _marks(self, position: int) -> Marks:
         """At a measuring layer call: the marks it makes (``on_mark``), naming the micro-batch the call belongs to."""
-        return Marks(self.on_mark, self.forward.batch, position)
+        return Marks(self.on_mark, self.forward.batch, position, self.faults)
 
     def new_forward(self) -> None:
         """A forward of the attached model begins: container calls count from layer 0 again. Warns once if a
@@ -303,8 +303,9 @@ class CheckpointSwitch:
     def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
         """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
         also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
-        restart = self.faults.shield(RESTART, self._restart, lambda calls: setattr(calls, "count", 0))
-        return lambda module, args: restart(calls)
+        return self.faults.shield(
+            RESTART, lambda module, args: self._restart(calls), lambda module, args: setattr(calls, "count", 0)
+        )
 
     def _restart(self, calls: LayerCalls) -> None:
         if calls.count > len(calls.functions):

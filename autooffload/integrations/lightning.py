@@ -46,7 +46,7 @@ import torch
 from ..console import say
 from ..controller import OffloadController
 from ..decide.policy import Policy
-from ..guard import guarded
+from ..guard import guarded, passes_on
 from ..history import history_path, truncate_history
 from ..observe.probe import MemoryProbe
 from ..settings import ENV_PREFIX, Settings
@@ -124,6 +124,9 @@ class AutoOffload(Callback):
                 directory = trainer.log_dir
         self._start(trainer, pl_module, directory)
 
+    # Its own work: the log directory's read (every rank, a failure suppressed), then the guarded start.
+    on_train_start = passes_on(on_train_start, "Lightning on_train_start")
+
     @guarded("Lightning on_train_start", always=True)
     def _start(self, trainer: Any, pl_module: Any, directory: str | os.PathLike | None) -> None:
         saved, self._saved = self._saved, None
@@ -189,9 +192,13 @@ class AutoOffload(Callback):
 
     # ---- checkpoints ---------------------------------------------------------------------------------
 
+    @guarded("Lightning state_dict", {})
     def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves: nothing where the run gave up or the state could not be read (a resume then starts
+        afresh)."""
         return {"controller_state": self.controller.state_dict()}
 
+    @guarded("Lightning load_state_dict")
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning loads callback states before on_train_start: keep it until the run starts there.
         self._saved = state_dict.get("controller_state")

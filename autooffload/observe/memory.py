@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
-from ..guard import training_error
+from ..guard import StepFaults, in_step, nothing, training_error
 from ..settings import SettingsError
 from .model import optimizer_state_bytes, unwrap_optimizer
 from .probe import MemoryProbe, NvmlProbe, ProbeUnavailable
+
+BEFORE_OPTIMIZER = in_step("the optimizer's pre-step hook")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,9 @@ class MemoryMonitor:
     """The probe and the readings of one run. ``choice``: a probe, ``"auto"`` (NVML on the model's CUDA device) or
     ``None``; ``warn``: the controller's :class:`~autooffload.warn.WarnOnce`."""
 
-    def __init__(self, choice: MemoryProbe | str | None, warn: Callable[[str, str], Any]) -> None:
+    def __init__(
+        self, choice: MemoryProbe | str | None, warn: Callable[[str, str], Any], faults: StepFaults | None = None
+    ) -> None:
         if not (choice is None or choice == "auto" or callable(getattr(choice, "read", None))):
             raise SettingsError(
                 f"argument probe={choice!r} is not allowed: expected 'auto' (NVML on the model's CUDA device), None "
@@ -58,6 +62,7 @@ class MemoryMonitor:
             )
         self.choice = choice
         self.warn = warn
+        self.faults = faults or StepFaults()  # where the optimizer hook's failures are noted
         self.probe: MemoryProbe | None = None
         self.optimizer: Any = None
         self.read_seconds = 0.0  # time spent reading the probe (reset, peek, read): a running total, as costs read it
@@ -158,7 +163,7 @@ class MemoryMonitor:
             if closure is None and self.before_optimizer is None and self.begun:
                 self.before_optimizer = self._peek()
 
-        self._optimizer_hook = inner.register_step_pre_hook(before_step)
+        self._optimizer_hook = inner.register_step_pre_hook(self.faults.shield(BEFORE_OPTIMIZER, before_step, nothing))
 
     def _unwatch_optimizer(self) -> None:
         hook, self._optimizer_hook = self._optimizer_hook, None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..guard import StepFaults, in_step, nothing
+from ..guard import StepFaults, in_step, nothing, passes_on
 
 SAVED_COUNT = in_step("a saved-bytes count")
 
@@ -95,7 +95,8 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed: Any) -> torch.Tensor:
             return outer_unpack(packed) if outer_unpack is not None else packed
 
-        super().__init__(pack, unpack)
+        # What each does of its own is the count (shielded); the rest is the hooks' around, or torch's.
+        super().__init__(passes_on(pack, SAVED_COUNT.where), passes_on(unpack, "the saved-tensor hooks around"))
 
     def __enter__(self) -> SavedBytesCounter:
         super().__enter__()

@@ -36,11 +36,14 @@ from typing import Any
 
 import torch
 
+from ..guard import StepFaults, in_step, nothing
 from ..settings import parse_host_memory
 from ..warn import WarnOnce
 from .allocations import AllocationPeak
 from .probe import MemoryReading
 from .saved import SavedBytesCounter, parameter_storages
+
+COUNT = in_step("the simulated device's count")
 
 COUNTS = ("peak", "saved")
 
@@ -93,6 +96,7 @@ class SimulatedDevice:
         self._window = AllocationPeak()
         self._early_segments: list[tuple[Any, int]] | None = None  # the segments before a peek
         self.warn = WarnOnce()
+        self._faults = StepFaults()  # its hooks' failures: the next read raises (a probe that fails)
 
     def watch_model(self, model: torch.nn.Module, optimizer: Any = None) -> None:
         """Count ``model``'s forwards from now on. ``optimizer``: the run's optimizer, or a function that
@@ -101,8 +105,8 @@ class SimulatedDevice:
         self._model = model
         self._optimizer = optimizer if _is_getter(optimizer) else lambda: optimizer
         self._handles = [
-            model.register_forward_pre_hook(self._enter),
-            model.register_forward_hook(self._exit, always_call=True),
+            model.register_forward_pre_hook(self._faults.shield(COUNT, self._enter, nothing)),
+            model.register_forward_hook(self._faults.shield(COUNT, self._exit, nothing), always_call=True),
         ]
 
     def unwatch_model(self) -> None:
@@ -172,6 +176,9 @@ class SimulatedDevice:
         return self._window.segments if self._window.segments is not None else self._early_segments
 
     def read(self) -> MemoryReading | None:
+        failure = self._faults.take()
+        if failure is not None:  # the count is off: a probe that fails, which the run stops reading (one warning)
+            raise RuntimeError(f"SimulatedDevice failed in {failure[0]} ({type(failure[1]).__name__}: {failure[1]})")
         if self._model is None:
             return None
         if self._window.active:
