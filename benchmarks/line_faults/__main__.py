@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated lines (autooffload/x.py:12) to run again")
     parser.add_argument("--quick", action="store_true", help="20 lines on one process")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="per run, seconds")
+    parser.add_argument("--files", default="", help="only lines of these files (autooffload/distributed.py,...)")
     parser.add_argument("--shard", default="", help="I/N: every N-th line from the I-th (run N at once, then --merge)")
     parser.add_argument("--merge", nargs="*", default=[], help="fold these --out directories' runs into --out's")
     parser.add_argument("--report", action="store_true", help="only write results.md from results.json")
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         elif options.lines:
             start, stop = (int(x) if x else None for x in options.lines.split(":"))
             lines = lines[start:stop]
+        if options.files:
+            lines = [line for line in lines if line.split(":")[0] in options.files.split(",")]
         if options.shard:
             index, count = (int(x) for x in options.shard.split("/"))
             lines = lines[index::count]
