@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         base = baseline(setting, data, options.timeout)
         lines = sorted(set().union(*(r["lines"] for i, r in enumerate(base["trace"]) if i in ranks)))
         base["lines_executed"] = len(set().union(*(r["lines"] for r in base["trace"])))
-        if options.only:
-            lines = [line for line in options.only.split(",") if line]
+        if options.only:  # of the lines the fault-free run executed; "@FILE": the list in FILE
+            only = Path(options.only[1:]).read_text() if options.only.startswith("@") else options.only
+            lines = [line for line in only.strip().split(",") if line in lines]
         elif options.lines:
             start, stop = (int(x) if x else None for x in options.lines.split(":"))
             lines = lines[start:stop]
