@@ -373,34 +373,39 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     is not safe (DeepSpeed, FSDP, a Trainer that overrides ``_prepare_inputs`` like TRL's GRPO), there is no
     rescue, and one warning says why.
     """
-    callback: AutoOffloadCallback | None = None  # once there is one
     try:  # a failure of autooffload's gives up (one warning, plain checkpointing); it does not stop the job
-        from .rescue import rescue_refusal, with_rescue
-
-        def current() -> AutoOffloadCallback | None:
-            return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
-
-        found = current()
-        if found is None:
-            found = AutoOffloadCallback(**kwargs)
-            trainer.add_callback(found)
-        elif kwargs:
-            raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
-        callback = found
-        refusal = rescue_refusal(trainer)
-        if refusal is None:
-            with_rescue(trainer, lambda: (current() or found).controller)
-        elif found.controller.settings.rescue:
-            found.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
-        _clean_up_when_train_raises(trainer, lambda: current() or found)
+        return _attach(trainer, kwargs)
     except (SettingsError, TypeError):  # the caller's arguments
         raise
     except Exception as error:
+        callback = _current(trainer)
         if callback is None:
             callback = AutoOffloadCallback(mode="off", probe=None)
             trainer.add_callback(callback)
         callback.controller.give_up("attach(trainer)", error)
         return callback
+
+
+def _current(trainer: Trainer) -> AutoOffloadCallback | None:
+    """The trainer's AutoOffloadCallback (None: none)."""
+    return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+
+
+def _attach(trainer: Trainer, kwargs: dict[str, Any]) -> AutoOffloadCallback:
+    from .rescue import rescue_refusal, with_rescue
+
+    found = _current(trainer)
+    if found is None:
+        found = AutoOffloadCallback(**kwargs)
+        trainer.add_callback(found)
+    elif kwargs:
+        raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
+    refusal = rescue_refusal(trainer)
+    if refusal is None:
+        with_rescue(trainer, lambda: (_current(trainer) or found).controller)
+    elif found.controller.settings.rescue:
+        found.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
+    _clean_up_when_train_raises(trainer, lambda: _current(trainer) or found)
     return found
 
 
