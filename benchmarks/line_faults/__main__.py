@@ -78,17 +78,19 @@ def save(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def baseline(setting: str, data: dict, timeout: float) -> dict:
-    """The setting's references (plain checkpointing; no checkpointing; autooffload fault-free, traced)."""
+def baseline(setting: str, data: dict, timeout: float, quick: bool = False) -> dict:
+    """The setting's references (plain checkpointing; no checkpointing; autooffload fault-free, untraced and
+    traced; ``quick``: the first and the last only)."""
     world, _ = SETTINGS[setting]
     base = data.setdefault("baselines", {}).setdefault(setting, {})
-    for mode in ("plain", "none", "ours", "trace"):
+    modes = ("plain", "trace") if quick else ("plain", "none", "ours", "trace")
+    for mode in modes:
         if mode not in base:
             started = time.monotonic()
             base[mode] = forked(mode, world, (), None, timeout * 3)
             base[mode + "_seconds"] = round(time.monotonic() - started, 2)
     plain = base["plain"]
-    for mode in ("none", "ours", "trace"):
+    for mode in modes[1:]:
         base[f"{mode}_identical_to_plain"] = [
             r["losses"] == p["losses"] and r["parameters"] == p["parameters"]
             for r, p in zip(base[mode], plain, strict=True)
@@ -103,7 +105,7 @@ class Noter:
 
     def __init__(self, runs: dict, base: dict, ranks: tuple[int, ...], commit: str, saving: Any) -> None:
         self.runs, self.base, self.ranks, self.commit, self.saving = runs, base, ranks, commit, saving
-        self.warned = [len(r["warnings"]) for r in base["ours"]]
+        self.warned = [len(r["warnings"]) for r in base.get("ours", base["trace"])]
         self.done: set[str] = set()
 
     def __call__(self, line: str, results: list[dict], seconds: float, how: str) -> None:
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     warm()
     for setting in options.settings.split(","):
         world, ranks = SETTINGS[setting]
-        base = baseline(setting, data, options.timeout)
+        base = baseline(setting, data, options.timeout, options.quick)
         lines = sorted(set().union(*(r["lines"] for i, r in enumerate(base["trace"]) if i in ranks)))
         base["lines_executed"] = len(set().union(*(r["lines"] for r in base["trace"])))
         if options.only:  # of the lines the fault-free run executed; "@FILE": the list in FILE
