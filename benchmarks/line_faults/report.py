@@ -1,25 +1,52 @@
 """results.md from results.json: per setting the counts (lines a training run executes, lines injected, survived),
-every failure with where it struck and what broke, the lines a run did not reach, and the lines that failed at an
-earlier commit (``earlier``: a run redone after a fix)."""
+every failure with its kind, where it struck and what broke, the lines a run did not reach, and the lines that failed
+at an earlier commit (``earlier``: a run redone after a fix). The code of a line is read at the commit its run ran
+at (``git show``), so that a report written later names the code that was run."""
 
 from __future__ import annotations
 
-import linecache
+import functools
+import subprocess
 from pathlib import Path
 from typing import Any
 
-from .tracing import ROOT, absolute
+from .tracing import ROOT
+
+# Lines whose only work is to pass the call on to code that is not autooffload's (the user's layer, the trainer's
+# train or training_step) or to a shielded place (autooffload.guard.passes_on): an exception there is the step's.
+PASSING_ON = (
+    "return train(*args, **kwargs)",
+    "return checkpoint(function, *args, **kwargs, **call_kwargs)",
+    "loss = inner(model, inputs, *args, **kwargs)",
+    "count(args)",
+    "with hooks(args):",
+)
 
 
-def source(line: str) -> str:
-    path, number = absolute(line)
-    return linecache.getline(path, number).strip().replace("|", "\\|")[:90]
+@functools.cache
+def _text(commit: str | None, path: str) -> tuple[str, ...]:
+    if commit is None:
+        return tuple((ROOT / path).read_text().splitlines())
+    shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return tuple(shown.stdout.splitlines())
 
 
-def a_try(line: str) -> bool:
-    """A ``try:`` line: it runs nothing that can fail (a no-op in the bytecode), but a trace function's exception
-    there is raised before the handler it opens; the one line of each guard that no code of its own can cover."""
-    return source(line).split("#")[0].strip() == "try:"
+def source(line: str, commit: str | None = None) -> str:
+    """The code at ``line`` (``path:number``) at ``commit`` (None: as checked out)."""
+    path, number = line.rsplit(":", 1)
+    text = _text(commit.removesuffix("-dirty") if commit else None, path)
+    return text[int(number) - 1].strip() if int(number) <= len(text) else ""
+
+
+def kind(line: str, run: dict[str, Any]) -> str:
+    """A failure's kind: "try" (a ``try:`` line: a no-op, whose injected exception is raised before the handler it
+    opens, the one line of each guard no code of its own can cover), "passes on" (:data:`PASSING_ON`) or ""."""
+    code = source(line, run.get("commit")).split("#")[0].strip()
+    return "try" if code == "try:" else "passes on" if code in PASSING_ON else ""
+
+
+def cell(line: str, run: dict[str, Any]) -> str:
+    return source(line, run.get("commit")).replace("|", "\\|")[:90]
 
 
 def moment(where: dict[str, Any] | None) -> str:
@@ -30,21 +57,18 @@ def moment(where: dict[str, Any] | None) -> str:
 
 
 def counts(runs: dict[str, dict]) -> dict[str, int]:
+    failed = {k: kind(k, r) for k, r in runs.items() if not r["survived"]}
     fired = [r for r in runs.values() if any(r["fired"])]
     return {
         "injected": len(runs),
-        "fired": len(fired),
+        "reached (the fault fired)": len(fired),
         "survived": sum(r["survived"] for r in runs.values()),
-        "failed": sum(not r["survived"] and not a_try(k) for k, r in runs.items()),
-        "failed at a `try:` line (runs nothing; listed below)": sum(
-            not r["survived"] and a_try(k) for k, r in runs.items()
-        ),
         "survived, warned once": sum(r["survived"] and any(r["warnings"]) for r in fired),
-        "survived, no warning (an inner handler)": sum(r["survived"] and not any(r["warnings"]) for r in fired),
-        "raised in a finalizer (ignored by Python)": sum(bool(r.get("unraisable")) for r in runs.values()),
-        "fixed since an earlier run": sum(
-            r["survived"] and not r.get("earlier", {}).get("survived", True) for r in runs.values()
-        ),
+        "survived, no warning (an inner handler took it)": sum(r["survived"] and not any(r["warnings"]) for r in fired),
+        "failed, autooffload's own work": sum(not k for k in failed.values()),
+        "failed at a `try:` line (runs nothing)": sum(k == "try" for k in failed.values()),
+        "failed at a line that passes the call on": sum(k == "passes on" for k in failed.values()),
+        "raised in a finalizer (Python ignores it)": sum(bool(r.get("unraisable")) for r in runs.values()),
     }
 
 
@@ -57,39 +81,36 @@ def render(data: dict[str, Any]) -> str:
     for setting, runs in data.get("runs", {}).items():
         base = data["baselines"][setting]
         identical = {m: base.get(f"{m}_identical_to_plain") for m in ("none", "ours", "trace")}
-        out += [f"## Setting `{setting}`", ""]
+        commits = sorted({r.get("commit") or "?" for r in runs.values()})
+        out += [f"## Setting `{setting}` (at {', '.join(commits)})", ""]
         out.append(f"- lines of autooffload/ a fault-free run executes (every rank): **{base['lines_executed']}**")
         out += [f"- {name}: **{n}**" for name, n in counts(runs).items()]
-        out.append(f"- bit-identical to plain checkpointing (per rank): no checkpointing {identical['none']}, "
-                   f"autooffload fault-free {identical['ours']}, autooffload traced {identical['trace']}")  # fmt: skip
+        out.append(
+            f"- bit-identical to plain checkpointing (per rank): no checkpointing {identical['none']}, "
+            f"autooffload fault-free {identical['ours']}, autooffload traced {identical['trace']}"
+        )
         out.append("")
         failed = {k: r for k, r in sorted(runs.items()) if not r["survived"]}
         if failed:
-            out += ["| line | code | struck in | what broke |", "|---|---|---|---|"]
-            out += [f"| `{k}` | `{source(k)}` | {moment((r['where'] or [None])[0])} | {'; '.join(r['broken'])[:300]} |"
-                    for k, r in failed.items()]  # fmt: skip
+            out += ["| line | code | kind | struck in | what broke |", "|---|---|---|---|---|"]
+            out += [
+                f"| `{k}` | `{cell(k, r)}` | {kind(k, r) or 'ours'} | {moment((r['where'] or [None])[0])} | "
+                f"{'; '.join(r['broken'])[:300]} |"
+                for k, r in failed.items()
+            ]
             out.append("")
         unreached = {k: r for k, r in sorted(runs.items()) if not any(r["fired"])}
         if unreached:
             out += ["Not reached in the injected run (the fault-free run reached them; the run took another path):", ""]
-            out += [f"- `{k}` `{source(k)}`" for k in unreached]
-            out.append("")
-        fixed = {k: r for k, r in sorted(runs.items()) if r["survived"] and not r.get("earlier", {}).get("survived", 1)}
-        if fixed:
-            out += ["Failed at an earlier commit, survived now:", ""]
-            out += ["| line | code | what broke then |", "|---|---|---|"]
-            out += [f"| `{k}` | `{source(k)}` | {'; '.join(r['earlier']['broken'])[:300]} |" for k, r in fixed.items()]
+            out += [f"- `{k}` `{cell(k, r)}`" for k, r in unreached.items()]
             out.append("")
         finalizers = {k: r for k, r in sorted(runs.items()) if r.get("unraisable")}
         if finalizers:
             out += ["Raised where Python ignores an exception (a finalizer, `__del__`):", ""]
-            out += [f"- `{k}` `{source(k)}`: {r['unraisable'][0][:200]}" for k, r in finalizers.items()]
+            out += [f"- `{k}` `{cell(k, r)}`: {r['unraisable'][0][:200]}" for k, r in finalizers.items()]
             out.append("")
     return "\n".join(out)
 
 
 def write_report(data: dict[str, Any], out: Path) -> None:
     (out / "results.md").write_text(render(data))
-
-
-__all__ = ["ROOT", "render", "write_report"]
