@@ -20,6 +20,8 @@ PASSING_ON = (
     "loss = inner(model, inputs, *args, **kwargs)",
     "count(args)",
     "with hooks(args):",
+    "output = function(*inner_args, **inner_kwargs)",
+    "return function(*inner_args, **inner_kwargs)",
 )
 
 
