@@ -12,7 +12,6 @@ therefore adds its keys on the way in, by wrapping the ``log`` method of the Tra
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import weakref
@@ -37,7 +36,6 @@ PEAKED_DELTA = "train_mem_gpu_peaked_delta"
 # The log wrappers autooffload put on a Trainer (each calls its ``__wrapped__``): known by identity, never by an
 # attribute (a MagicMock a test patches ``trainer.log`` with answers every one).
 _LOG_WRAPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
-_CLEANING_UP: weakref.WeakSet[Any] = weakref.WeakSet()  # the trains _clean_up_when_train_raises made
 
 
 def checkpointing_kwargs(args: Any) -> dict[str, Any]:
@@ -67,11 +65,7 @@ RESTORED = in_step("the callback's restored state")
 
 
 def _controller(explicit: dict[str, Any], probe: Any, policy: Any) -> OffloadController:
-    """The callback's controller. A setting autooffload cannot use is the caller's to fix, and raises
-    (:class:`~autooffload.settings.SettingsError`); any other failure is autooffload's, and must not stop the job
-    before it starts: a controller that gave up (one warning, plain checkpointing for the run), made of the
-    defaults and no probe. Its ``where`` is not ``attach``: under torch.distributed the join it owes the other
-    ranks is made at the attach they make it in (``Fallback.attach_refused``), not here."""
+    """The controller; where building it fails (not on a SettingsError), one that gave up (its join: at attach)."""
     try:
         return OffloadController(Settings.from_env(**explicit), probe=probe, policy=policy)
     except SettingsError:
@@ -378,21 +372,18 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     except (SettingsError, TypeError):  # the caller's arguments
         raise
     except Exception as error:
-        callback = _current(trainer)
-        if callback is None:
-            callback = AutoOffloadCallback(mode="off", probe=None)
-            trainer.add_callback(callback)
+        if (callback := _current(trainer)) is None:
+            trainer.add_callback(callback := AutoOffloadCallback(mode="off", probe=None))
         callback.controller.give_up("attach(trainer)", error)
         return callback
 
 
 def _current(trainer: Trainer) -> AutoOffloadCallback | None:
-    """The trainer's AutoOffloadCallback (None: none)."""
     return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
 
 
 def _attach(trainer: Trainer, kwargs: dict[str, Any]) -> AutoOffloadCallback:
-    from .rescue import rescue_refusal, with_rescue
+    from .rescue import clean_up_when_train_raises, rescue_refusal, with_rescue
 
     found = _current(trainer)
     if found is None:
@@ -405,28 +396,5 @@ def _attach(trainer: Trainer, kwargs: dict[str, Any]) -> AutoOffloadCallback:
         with_rescue(trainer, lambda: (_current(trainer) or found).controller)
     elif found.controller.settings.rescue:
         found.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
-    _clean_up_when_train_raises(trainer, lambda: _current(trainer) or found)
+    clean_up_when_train_raises(trainer, lambda: _current(trainer) or found)
     return found
-
-
-def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
-    """Wrap ``trainer.train`` on the instance: Trainer calls no ``on_train_end`` when ``train()`` raises, so the
-    wrapper writes the history and detaches the controller (no hook left on the model) before the error goes on.
-    No end-of-training collective: the other ranks may not get there. Wrapping twice does nothing."""
-    from .rescue import made_here
-
-    train = trainer.train
-    if made_here(train, _CLEANING_UP):
-        return
-
-    @functools.wraps(train)
-    def train_with_clean_up(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return train(*args, **kwargs)
-        except BaseException:
-            callback().abandon()
-            raise
-
-    passes_on(train_with_clean_up, "the clean-up after train() raised (each of its parts warns where it fails)")
-    _CLEANING_UP.add(train_with_clean_up)
-    trainer.train = train_with_clean_up  # type: ignore[method-assign]
