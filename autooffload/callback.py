@@ -12,7 +12,6 @@ therefore adds its keys on the way in, by wrapping the ``log`` method of the Tra
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import weakref
@@ -31,13 +30,12 @@ from .guard import guarded, in_step, nothing, passes_on, shielded_method
 from .history import history_path, truncate_history
 from .observe.paths import deepspeed_config_warning, trainer_offload_warning
 from .observe.probe import MemoryProbe
-from .settings import ENV_PREFIX, Settings, offload_mode
+from .settings import ENV_PREFIX, Settings, SettingsError, offload_mode
 
 PEAKED_DELTA = "train_mem_gpu_peaked_delta"
 # The log wrappers autooffload put on a Trainer (each calls its ``__wrapped__``): known by identity, never by an
 # attribute (a MagicMock a test patches ``trainer.log`` with answers every one).
 _LOG_WRAPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
-_CLEANING_UP: weakref.WeakSet[Any] = weakref.WeakSet()  # the trains _clean_up_when_train_raises made
 
 
 def checkpointing_kwargs(args: Any) -> dict[str, Any]:
@@ -64,6 +62,18 @@ def _running_trainer() -> Trainer | None:
 # not reach as entry points: shielded, their failure given up with at the next entry point (autooffload.guard).
 INIT_END = in_step("the callback's settings at Trainer's init")
 RESTORED = in_step("the callback's restored state")
+
+
+def _controller(explicit: dict[str, Any], probe: Any, policy: Any) -> OffloadController:
+    """The controller; where building it fails (not on a SettingsError), one that gave up (its join: at attach)."""
+    try:
+        return OffloadController(Settings.from_env(**explicit), probe=probe, policy=policy)
+    except SettingsError:
+        raise
+    except Exception as error:
+        controller = OffloadController(Settings(mode="off"), probe=None)
+        controller.give_up("the callback's construction", error)
+        return controller
 
 
 class AutoOffloadCallback(TrainerCallback, ExportableState):
@@ -114,7 +124,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
         )
         policy = None if isinstance(policy, str) else policy
         self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.controller = OffloadController(Settings.from_env(**self.explicit), probe=probe, policy=policy)
+        self.controller = _controller(self.explicit, probe, policy)
         self._log_wrapped = False
         self._training = False  # from on_train_begin to on_train_end (or abandon)
         self.history_path: Path | None = None
@@ -357,44 +367,34 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     is not safe (DeepSpeed, FSDP, a Trainer that overrides ``_prepare_inputs`` like TRL's GRPO), there is no
     rescue, and one warning says why.
     """
-    from .rescue import rescue_refusal, with_rescue
+    try:  # a failure of autooffload's gives up (one warning, plain checkpointing); it does not stop the job
+        return _attach(trainer, kwargs)
+    except (SettingsError, TypeError):  # the caller's arguments
+        raise
+    except Exception as error:
+        if (callback := _current(trainer)) is None:
+            trainer.add_callback(callback := AutoOffloadCallback(mode="off", probe=None))
+        callback.controller.give_up("attach(trainer)", error)
+        return callback
 
-    def current() -> AutoOffloadCallback | None:
-        return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
 
-    callback = current()
-    if callback is None:
-        callback = AutoOffloadCallback(**kwargs)
-        trainer.add_callback(callback)
+def _current(trainer: Trainer) -> AutoOffloadCallback | None:
+    return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
+
+
+def _attach(trainer: Trainer, kwargs: dict[str, Any]) -> AutoOffloadCallback:
+    from .rescue import clean_up_when_train_raises, rescue_refusal, with_rescue
+
+    found = _current(trainer)
+    if found is None:
+        found = AutoOffloadCallback(**kwargs)
+        trainer.add_callback(found)
     elif kwargs:
         raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
     refusal = rescue_refusal(trainer)
     if refusal is None:
-        with_rescue(trainer, lambda: (current() or callback).controller)
-    elif callback.controller.settings.rescue:
-        callback.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
-    _clean_up_when_train_raises(trainer, lambda: current() or callback)
-    return callback
-
-
-def _clean_up_when_train_raises(trainer: Trainer, callback: Any) -> None:
-    """Wrap ``trainer.train`` on the instance: Trainer calls no ``on_train_end`` when ``train()`` raises, so the
-    wrapper writes the history and detaches the controller (no hook left on the model) before the error goes on.
-    No end-of-training collective: the other ranks may not get there. Wrapping twice does nothing."""
-    from .rescue import made_here
-
-    train = trainer.train
-    if made_here(train, _CLEANING_UP):
-        return
-
-    @functools.wraps(train)
-    def train_with_clean_up(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return train(*args, **kwargs)
-        except BaseException:
-            callback().abandon()
-            raise
-
-    passes_on(train_with_clean_up, "the clean-up after train() raised (each of its parts warns where it fails)")
-    _CLEANING_UP.add(train_with_clean_up)
-    trainer.train = train_with_clean_up  # type: ignore[method-assign]
+        with_rescue(trainer, lambda: (_current(trainer) or found).controller)
+    elif found.controller.settings.rescue:
+        found.controller.warn("rescue-off", f"out-of-memory steps are not rescued: {refusal}")
+    clean_up_when_train_raises(trainer, lambda: _current(trainer) or found)
+    return found

@@ -186,18 +186,18 @@ def guarded(where: str, default: Any = None, *, always: bool = False) -> Callabl
 
         @functools.wraps(method)
         def entry(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            controller: Guarded = getattr(owner, "controller", owner)
-            failure = controller.faults.take() if controller.faults.first is not None else None
-            if failure is not None and not controller.failed:
-                controller.give_up(*failure)  # a failure inside the step: given up at this entry, before its body
-            if controller.failed and not always:
-                return default
-            try:
+            try:  # the give-up with a failure inside the step too: where it fails, this entry gives up with that
+                controller: Guarded = getattr(owner, "controller", owner)
+                failure = controller.faults.take() if controller.faults.first is not None else None
+                if failure is not None and not controller.failed:
+                    controller.give_up(*failure)  # a failure inside the step: given up at this entry, before its body
+                if controller.failed and not always:
+                    return default
                 return point.method(owner, *args, **kwargs)
             except Exception as error:
                 if training_error(error):
                     raise  # the rescue (autooffload.rescue) reruns an OOM step; a broken device stops the run
-                controller.give_up(where, error)
+                getattr(owner, "controller", owner).give_up(where, error)
                 return default
 
         setattr(entry, SHIELD, where)

@@ -53,6 +53,7 @@ Two ways in:
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import traceback
@@ -70,6 +71,7 @@ STEP_START = in_step("the rescue's step start")
 Result = TypeVar("Result")
 MAX_LINKS = 8  # wrappers followed down to one of autooffload's
 _RESCUING: weakref.WeakSet[Any] = weakref.WeakSet()  # the training steps with_rescue made
+_CLEANING_UP: weakref.WeakSet[Any] = weakref.WeakSet()  # the trains clean_up_when_train_raises made
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -243,6 +245,27 @@ def with_rescue(trainer: Any, controller: OffloadController | Callable[[], Offlo
     passes_on(training_step, STEP_START.where, "rescue")
     _RESCUING.add(training_step)
     trainer.training_step = training_step
+
+
+def clean_up_when_train_raises(trainer: Any, callback: Callable[[], Any]) -> None:
+    """Wrap ``trainer.train`` on the instance: Trainer calls no ``on_train_end`` when ``train()`` raises, so the
+    wrapper writes the history and detaches the controller (no hook left on the model) before the error goes on.
+    No end-of-training collective: the other ranks may not get there. Wrapping twice does nothing."""
+    train = trainer.train
+    if made_here(train, _CLEANING_UP):
+        return
+
+    @functools.wraps(train)
+    def train_with_clean_up(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            callback().abandon()
+            raise
+
+    passes_on(train_with_clean_up, "the clean-up after train() raised (each of its parts warns where it fails)")
+    _CLEANING_UP.add(train_with_clean_up)
+    trainer.train = train_with_clean_up
 
 
 def rescuing(trainer: Any) -> bool:

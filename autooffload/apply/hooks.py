@@ -67,10 +67,17 @@ class ForwardHooks:
         self._faults = faults or StepFaults()
         self.stacks: dict[torch.nn.Module, Sequence[Stack]] = {}  # each entry's stacks (the model: None)
         self.deferrable: dict[torch.nn.Module, bool] = {}  # whether a watched entry lies inside (the model too)
-        self._handles = self._watch(model)
+        self._handles: list[Any] = []  # each hook's handle as it is put on, so that a failure leaves none behind
         self._entry_handles: list[Any] = []
-        self.follow(entries)
-        self._backward = count_backwards(model, on_backward, faults) if on_backward is not None else None
+        self._backward: Any = None
+        try:
+            self._watch(model, self._handles)
+            self.follow(entries)
+            if on_backward is not None:
+                self._backward = count_backwards(model, on_backward, faults)
+        except BaseException:
+            self.remove()
+            raise
 
     def hand_over(self, enter: Enter) -> None:
         """From now on ``enter`` decides each call, and nothing else of the old owner runs (its ``leave``, its
@@ -84,28 +91,27 @@ class ForwardHooks:
         """Watch ``entries`` (and no other entry) from the next call on."""
         for handle in self._entry_handles:
             handle.remove()
+        self._entry_handles = []
         self.stacks = {module: stacks for module, stacks in entries if module is not self.model}
         watched = list(self.stacks)
         self.deferrable = {
             module: any(other is not module and _holds(module, other) for other in watched) for module in watched
         }
         self.deferrable[self.model] = bool(watched)
-        self._entry_handles = [handle for module in self.stacks for handle in self._watch(module)]
+        for module in self.stacks:
+            self._watch(module, self._entry_handles)
 
-    def _watch(self, module: torch.nn.Module) -> list[Any]:
+    def _watch(self, module: torch.nn.Module, handles: list[Any]) -> None:
+        """Put the two hooks on ``module``, each handle into ``handles`` as soon as the hook is on."""
         # Under torch.compile the hooks are traced: each only reads ``active`` there, and runs eagerly (a graph break)
         # where it has something to do. An entry inside the model's call (the decoder inside a causal LM) then
         # breaks nothing: a break there split the compiled model into two graphs, the loss apart from the layers
         # (tests/test_compile.py). Each runs shielded; where it fails, the call is entered or left the shortest way
         # (:meth:`_entered_anyway`, :meth:`_left_anyway`), so that the controller's entry point gives up at once.
-        return [
-            module.register_forward_pre_hook(
-                self._faults.shield(ENTRY, self._before, self._entered_anyway), with_kwargs=True
-            ),
-            module.register_forward_hook(
-                self._faults.shield(END, self._after, self._left_anyway), with_kwargs=True, always_call=True
-            ),
-        ]
+        before = self._faults.shield(ENTRY, self._before, self._entered_anyway)
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        after = self._faults.shield(END, self._after, self._left_anyway)
+        handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
 
     def _before(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.active is None:

@@ -88,8 +88,12 @@ class AllocationPeak:
             torch.autograd._enable_profiler_legacy(_config())
         except RuntimeError:  # "Profiler is already enabled on this thread": someone else's
             return False
-        self.active = True
-        self._labels, self.segments = [], None
+        try:  # where this fails, the profiler is not left running under a window that thinks itself closed
+            self._labels, self.segments = [], None
+            self.active = True
+        except BaseException:
+            torch.autograd._disable_profiler_legacy()
+            raise
         return True
 
     def stop(self) -> int | None:

@@ -104,10 +104,10 @@ class SimulatedDevice:
         self.unwatch_model()
         self._model = model
         self._optimizer = optimizer if _is_getter(optimizer) else lambda: optimizer
-        self._handles = [
-            model.register_forward_pre_hook(self.faults.shield(COUNT, self._enter, nothing)),
-            model.register_forward_hook(self.faults.shield(COUNT, self._exit, nothing), always_call=True),
-        ]
+        self._handles = []  # each handle as its hook goes on: a failure between the two leaves none unwatched
+        self._handles.append(model.register_forward_pre_hook(self.faults.shield(COUNT, self._enter, nothing)))
+        exit = self.faults.shield(COUNT, self._exit, nothing)
+        self._handles.append(model.register_forward_hook(exit, always_call=True))
 
     def unwatch_model(self) -> None:
         """Stop counting and let go of the model and the optimizer (the controller calls it at detach): a probe
