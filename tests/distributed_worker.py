@@ -47,6 +47,7 @@ from autooffload import (
     Settings,
 )
 from autooffload import distributed as autooffload_distributed
+from autooffload.apply.hooks import ForwardHooks
 from autooffload.demo import MixedLengths, checkpointing_arguments, tiny_qwen3
 
 # (rank 0, rank 1) sequence lengths per optimizer step: a long one on rank 0 at step 1, on rank 1 at step 3.
@@ -702,6 +703,34 @@ def injected_once(function, fails):
     return failing
 
 
+@contextlib.contextmanager
+def raising_at_line(function, source: str, arrival: int):
+    """An injected failure at the (last) line of ``function`` whose text is ``source``, at its ``arrival``-th arrival
+    (a trace function, as the line-level fault run raises: before the line runs)."""
+    import inspect
+
+    code = inspect.unwrap(function).__code__
+    lines, first = inspect.getsourcelines(function)
+    line = [first + i for i, text in enumerate(lines) if text.strip() == source][-1]  # the last line of that text
+    arrivals = [0]
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line:
+            arrivals[0] += 1
+            if arrivals[0] == arrival:
+                raise RuntimeError("injected failure on rank 1")
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+
+
 def ddp_run(rank: int, offload: bool, levels: bool = False) -> dict:
     """A raw DDP loop (no accumulation: every micro-batch's backward all-reduces the gradients) over a tiny Qwen3,
     with ``OffloadController`` attached where ``offload`` (finished and detached after the last step). Returns the
@@ -751,8 +780,9 @@ def ddp_run(rank: int, offload: bool, levels: bool = False) -> dict:
 def collective_fault_run(rank: int, inject: str) -> dict:
     """:func:`ddp_run`, with ``OffloadController`` unless ``inject`` is "none"; rank 1 fails between a collective's
     bookkeeping and its ``torch.distributed`` call: building its second micro-batch's agreement ("agree"), making the
-    side group before the join at attach ("join"), reading its rank for the join's tensor ("join-rank"), or building
-    the end's message in ``finish`` ("worst")."""
+    side group before the join at attach ("join"), reading its rank for the join's tensor ("join-rank"), building
+    the end's message in ``finish`` ("worst"), or in the forward hook that decides its second micro-batch, after the
+    agreement fell due and before the controller's entry ran ("begin"), or after it ran ("decided")."""
     real = {name: getattr(autooffload_distributed, name) for name in ("message", "AgreementGroup", "all_reduce_max")}
     get_rank = torch.distributed.get_rank
     if rank == 1 and inject == "join-rank":
@@ -770,8 +800,12 @@ def collective_fault_run(rank: int, inject: str) -> dict:
     if rank == 1 and inject == "worst":
         ended = lambda *args, ended=False, **kwargs: ended  # noqa: E731
         autooffload_distributed.message = injected_once(real["message"], ended)
+    begin = ForwardHooks._begin
+    line = {"begin": "enter = self._enter", "decided": "if deciding is not None:"}.get(inject) if rank == 1 else None
+    lines = raising_at_line(begin, line, 2) if line else None
     try:
-        return ddp_run(rank, offload=inject != "none")
+        with lines or contextlib.nullcontext():
+            return ddp_run(rank, offload=inject != "none")
     finally:
         for name, value in real.items():
             setattr(autooffload_distributed, name, value)
@@ -780,7 +814,8 @@ def collective_fault_run(rank: int, inject: str) -> dict:
 
 def collective_faults(rank: int, out: Path) -> dict:
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    return {inject: collective_fault_run(rank, inject) for inject in ("none", "agree", "join", "join-rank", "worst")}
+    injects = ("none", "agree", "join", "join-rank", "worst", "begin", "decided")
+    return {inject: collective_fault_run(rank, inject) for inject in injects}
 
 
 def joining() -> bool:

@@ -472,23 +472,29 @@ def test_a_rank_failing_before_a_collective_makes_it_with_the_flag(tmp_path):
     end's gather. Now the failed rank makes the collective it owes, with the flag: both ranks finish every step with
     the losses and parameters of a run without autooffload, the same collectives, one warning each. The join's mark
     came after the side group but before ``join_ranks`` read the rank and made its tensor ("join-rank"): rank 1 failing
-    there skipped the join, and rank 0's join met rank 1's DDP broadcast."""
+    there skipped the join, and rank 0's join met rank 1's DDP broadcast. The forward hook that decides a micro-batch
+    cleared the agreement's due in a ``finally`` where it failed after the agreement fell due and before the controller
+    made it ("begin"), and its shield's fallback entered nothing: rank 1's gradient all-reduce met rank 0's agreement
+    (gloo aborted both). Failing after the controller made it ("decided"), rank 1 tells at the next micro-batch."""
     ranks = run_ranks("collective_faults", tmp_path, timeout_s=240)
     for result in ranks:
         plain = result["none"]
         assert len(plain["losses"]) == len(LENGTHS)
-        for case in ("agree", "join", "join-rank", "worst"):
+        for case in ("agree", "join", "join-rank", "worst", "begin", "decided"):
             run = result[case]
             assert run["losses"] == plain["losses"] and run["parameters"] == plain["parameters"], case
             assert run["pre_hooks"] == 0, case
     # The second micro-batch's agreement carried the flag; no agreement at all (the join told); four and the end's.
-    for case, collectives in (("agree", 2), ("join", 0), ("join-rank", 0), ("worst", len(LENGTHS) + 1)):
+    cases = (("agree", 2), ("join", 0), ("join-rank", 0), ("worst", len(LENGTHS) + 1), ("begin", 2), ("decided", 3))
+    for case, collectives in cases:
         assert ranks[0][case]["collectives"] == ranks[1][case]["collectives"] == collectives, case
     for case, where, since in (
         ("agree", "the pre-forward hook", "every rank goes on with plain checkpointing from this micro-batch on"),
         ("join", "attach", "every rank goes on with plain checkpointing from the start"),
         ("join-rank", "attach", "every rank goes on with plain checkpointing from the start"),
         ("worst", "finish", "this rank learned it at the end"),
+        ("begin", "a watched call's entry", "every rank goes on with plain checkpointing from this micro-batch on"),
+        ("decided", "a watched call's entry", "every rank goes on with plain checkpointing from this micro-batch on"),
     ):
         (mine,) = ranks[1][case]["warnings"]
         assert f"internal error in {where} (RuntimeError: injected failure on rank 1)" in mine, case

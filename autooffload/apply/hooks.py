@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..guard import StepFaults, in_step
+from ..guard import StepFaults, in_step, training_error
 from ..observe.stacks import Stack
 from .keep import count_backwards
 
@@ -125,13 +125,15 @@ class ForwardHooks:
     def _entered_anyway(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """The entry hook failed (noted in the run's faults): ``enter`` takes the call as its stacks' entry, under
         ``deciding`` as a training micro-batch, so that the controller's pre-forward hook gives up there with the
-        failure and hands over, and the rank owes no collective the others make at this call. Where a call is being
-        decided already (this one, past its start, or one around it), nothing: the next entry point gives up."""
-        if self.active is not None:
+        failure and hands over, and the rank owes no collective the others make at this call. This call failed past
+        its start (:meth:`_begin` set ``active``): entered again, its agreement left as it was, due or made. A call
+        around it being decided: nothing, the next entry point gives up."""
+        started = self.active is entered
+        if self.active is not None and not started:
             return
         self.active = entered
         deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
-        if deciding is not None:
+        if deciding is not None and not started:
             deciding(True)
         try:
             enter = self._enter
@@ -154,19 +156,26 @@ class ForwardHooks:
 
     @torch.compiler.disable
     def _begin(self, entered: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Decide the call ``entered``. Its agreement falls due before ``active`` is set, and stays due where this
+        fails before ``enter`` made it: the shield's :meth:`_entered_anyway` then enters the call once more, and the
+        controller's entry gives up there making the agreement the other ranks make (a failure before ``active`` is
+        set: the whole way, due again)."""
         stacks, deferrable = self.stacks.get(entered), self.deferrable.get(entered, False)
         deciding = self._deciding if entered.training and torch.is_grad_enabled() else None
-        self.active = entered  # from here on the call is being decided: a failure does not enter it again
         if deciding is not None:
             deciding(True)
+        self.active = entered  # from here on the call is being decided, its agreement due (or made)
         try:
             enter = self._enter
             decided = enter(entered, stacks, args, kwargs, deferrable)
             if self._enter is not enter:  # handed over while deciding (the controller gave up): offered again
                 decided = self._enter(entered, stacks, args, kwargs, deferrable)
-        finally:
-            if deciding is not None:
-                deciding(False)
+        except BaseException as error:
+            if deciding is not None and (not isinstance(error, Exception) or training_error(error)):
+                deciding(False)  # the step's own error, not noted: nothing enters the call again
+            raise
+        if deciding is not None:
+            deciding(False)
         if decided is False:
             self.active = None
 
