@@ -140,7 +140,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             settings = Settings.from_env(**{**self.explicit, "mode": mode})
         self.controller.settings = settings
 
-    @shielded_method(INIT_END, lambda callback: callback.controller.faults, nothing)
+    @shielded_method(INIT_END, lambda callback: callback.controller.faults, nothing, raises=(SettingsError,))
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Settings as the training arguments say, already on a built Trainer (``on_train_begin`` reads them again:
         where this fails, the run gives up there)."""

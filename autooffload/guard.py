@@ -115,11 +115,15 @@ def nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def shielded_method(
-    place: InStep, faults: Callable[[Any], StepFaults], fallback: Callable[..., Any]
+    place: InStep,
+    faults: Callable[[Any], StepFaults],
+    fallback: Callable[..., Any],
+    raises: tuple[type[Exception], ...] = (),
 ) -> Callable[[F], F]:
     """Decorate a method that Python or torch calls on an object of autooffload's (a finalizer: ``__del__``) to run
     as :meth:`StepFaults.shield` runs a function, its failure noted in ``faults(owner)``, ``fallback(owner, *args,
-    **kwargs)`` in its place (a method a trainer calls outside any entry point's reach in the fault matrix too)."""
+    **kwargs)`` in its place (a method a trainer calls outside any entry point's reach in the fault matrix too).
+    ``raises``: the caller's errors (a setting autooffload cannot use), which propagate as they are."""
 
     def decorate(method: F) -> F:
         @functools.wraps(method)
@@ -128,6 +132,8 @@ def shielded_method(
                 if place.fault is not None:
                     place.fault()
                 return method(owner, *args, **kwargs)
+            except raises:
+                raise
             except Exception as error:
                 faults(owner).note(place, error)
                 return fallback(owner, *args, **kwargs)
