@@ -47,17 +47,6 @@ def checkpointing_kwargs(args: Any) -> dict[str, Any]:
     return {}
 
 
-def _running_trainer() -> Trainer | None:
-    """The Trainer whose event is being dispatched: found up the call stack, since callbacks are not given it."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
 # Methods Trainer calls that the fault matrix, which attaches to a built Trainer and restores no callback object, does
 # not reach as entry points: shielded, their failure given up with at the next entry point (autooffload.guard).
 INIT_END = in_step("the callback's settings at Trainer's init")
@@ -165,7 +154,7 @@ class AutoOffloadCallback(TrainerCallback, ExportableState):
             self.controller.load_state_dict(saved)  # a failure gives up this run; attach below still joins
         else:
             self.controller.reset()
-        trainer = _running_trainer()
+        trainer = lifecycle.running_trainer(Trainer)
         offloading = trainer_offload_warning(args)
         if offloading is not None:  # every rank reads the same arguments: none attaches, none joins the others
             self.controller.warn("trl-offloading", offloading)
@@ -369,7 +358,7 @@ def attach(trainer: Trainer, **kwargs: Any) -> AutoOffloadCallback:
     """
     try:  # a failure of autooffload's gives up (one warning, plain checkpointing); it does not stop the job
         return _attach(trainer, kwargs)
-    except (SettingsError, TypeError):  # the caller's arguments
+    except (SettingsError, _CallersArguments):
         raise
     except Exception as error:
         if (callback := _current(trainer)) is None:
@@ -382,15 +371,26 @@ def _current(trainer: Trainer) -> AutoOffloadCallback | None:
     return next((c for c in trainer.callback_handler.callbacks if isinstance(c, AutoOffloadCallback)), None)
 
 
+class _CallersArguments(TypeError):
+    """``attach(trainer, ...)``'s arguments are wrong: the caller's error, raised as it is (any other ``TypeError``
+    inside ``attach`` is autooffload's, and gives up)."""
+
+
 def _attach(trainer: Trainer, kwargs: dict[str, Any]) -> AutoOffloadCallback:
     from .rescue import clean_up_when_train_raises, rescue_refusal, with_rescue
 
     found = _current(trainer)
     if found is None:
+        try:
+            inspect.signature(AutoOffloadCallback).bind(**kwargs)
+        except TypeError as error:
+            raise _CallersArguments(f"attach(trainer, ...): {error}") from None
         found = AutoOffloadCallback(**kwargs)
         trainer.add_callback(found)
     elif kwargs:
-        raise TypeError(f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}")
+        raise _CallersArguments(
+            f"the trainer already has an AutoOffloadCallback; configure that one, not {sorted(kwargs)}"
+        )
     refusal = rescue_refusal(trainer)
     if refusal is None:
         with_rescue(trainer, lambda: (_current(trainer) or found).controller)

@@ -18,6 +18,7 @@ Nothing here imports the controller (it imports this module); the controller is 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from typing import Any, Protocol
@@ -122,3 +123,15 @@ def resumed(trainer_state: Any) -> bool:
     ``TrainerState``, at the step the checkpoint was saved (1 or more); otherwise with a new one at step 0,
     whose ``stateful_callbacks`` hold the callbacks' own current state, not a checkpoint's."""
     return int(getattr(trainer_state, "global_step", 0) or 0) > 0
+
+
+def running_trainer(kind: type) -> Any:
+    """The ``kind`` (Trainer) whose event is being dispatched: found up the call stack, since callbacks are not given
+    it; None outside one."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, kind):
+            return candidate
+        frame = frame.f_back
+    return None

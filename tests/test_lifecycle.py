@@ -188,9 +188,18 @@ class FailingTrainer(InOrderTrainer):
 
 def hooks_of(net):
     """The controllers whose pre-forward hooks are on ``net``, one per hook."""
-    hooks = [inspect.unwrap(h) for h in net._forward_pre_hooks.values()]
-    cells = [c.cell_contents for h in hooks for c in getattr(h, "__closure__", None) or ()]
-    return [c._enter.__self__ for c in cells if isinstance(c, ForwardHooks)]
+    def forward_hooks(function, depth=3):  # through the shield's wrapper: the ForwardHooks whose method it runs
+        function = inspect.unwrap(function)
+        owner = getattr(function, "__self__", None)
+        if isinstance(owner, ForwardHooks):
+            return owner
+        cells = [c.cell_contents for c in getattr(function, "__closure__", None) or ()]
+        found = [c for c in cells if isinstance(c, ForwardHooks)]
+        found += [f for c in cells if depth and callable(c) and (f := forward_hooks(c, depth - 1)) is not None]
+        return found[0] if found else None
+
+    found = [forward_hooks(h) for h in net._forward_pre_hooks.values()]
+    return [hooks._enter.__self__ for hooks in found if hooks is not None]
 
 
 def checkpoint_functions(net):

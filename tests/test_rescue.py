@@ -157,6 +157,37 @@ def test_attach_uses_the_trainer_callback_and_wraps_once(tmp_path):
         attach(trainer, mode="on")
 
 
+def test_attach_raises_the_callers_type_errors_and_gives_up_on_its_own(tmp_path, monkeypatch):
+    """Review of issue 49: ``attach(trainer)`` let every ``TypeError`` out as the caller's, its own bugs too (here one
+    inside the rescue's wrapping): the job stopped. Now a wrong argument raises, and a ``TypeError`` of autooffload's
+    gives one warning, the run training as plain checkpointing does."""
+    import warnings
+
+    from conftest import InOrderTrainer
+
+    import autooffload.rescue
+
+    def trainer():
+        args = training_args(tmp_path, 2, offload=None)
+        torch.manual_seed(0)
+        return InOrderTrainer(model=model(), args=args, train_dataset=dataset([64, 128]))
+
+    with pytest.raises(TypeError, match="bogus"):
+        attach(trainer(), bogus=1)
+    plain = trainer()
+    plain.train()
+    monkeypatch.setattr(autooffload.rescue, "with_rescue", lambda *args: None + 1)
+    ours = trainer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoOffloadWarning)
+        attach(ours, probe=None)
+        ours.train()
+    (warning,) = [str(w.message) for w in caught if issubclass(w.category, AutoOffloadWarning)]
+    assert "internal error in attach(trainer) (TypeError" in warning
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (plain, ours)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
 def test_custom_loop_rescue_matches_a_loop_that_never_failed():
     def loop(injector: Injector | None) -> tuple[torch.nn.Module, list[float], OffloadController]:
         net = model()
