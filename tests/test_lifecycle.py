@@ -188,6 +188,7 @@ class FailingTrainer(InOrderTrainer):
 
 def hooks_of(net):
     """The controllers whose pre-forward hooks are on ``net``, one per hook."""
+
     def forward_hooks(function, depth=3):  # through the shield's wrapper: the ForwardHooks whose method it runs
         function = inspect.unwrap(function)
         owner = getattr(function, "__self__", None)
