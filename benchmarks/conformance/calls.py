@@ -22,6 +22,19 @@ def _storage(tensor: Any) -> int:
         return id(tensor)
 
 
+def _untyped(tensor: Any) -> Any:
+    """What holds a tensor's address without holding the tensor: its storage (itself where it has none)."""
+    try:
+        return tensor.untyped_storage()
+    except Exception:
+        return tensor
+
+
+def _view(tensor: Any) -> bool:
+    """A floating-point activation that requires grad (a view of a layer input's storage that the layer receives)."""
+    return tensor.is_floating_point() and tensor.requires_grad
+
+
 def _own(tensor: Any) -> bool:
     """An activation with a storage of its own: floating-point, requiring grad, the whole of its storage."""
     try:
@@ -142,12 +155,21 @@ class CheckpointCalls:
     ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a container's
     loop) is seen, without reading autooffload. What is shared is known at the end: :meth:`finish` counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: bool = False) -> None:
+        # ``held``: count what the checkpoint holds through the backward: a call whose input does not outlive the
+        # forward counts nothing (a layer inside an outer non-reentrant checkpoint, other than the first: the outer
+        # one recomputes it, nothing keeps it), and a view of the input's storage the call also receives counts as
+        # the layer's (LUKE's entity states beside its word states). The testers' source (:mod:`.testers`) uses it.
+        self.held = held
         self.calls: list[tuple[str, int]] = []
         self.per_module: dict[int, int] = {}  # bytes of every call of one module (a layer called twice: both)
         self.extras = 0  # bytes of second activations of a layer's own, among those of ``calls``
         self._seen: list[weakref.ref] = []
-        self._recorded: list[tuple[str, int, int, list[Any]]] = []  # owner, key, input bytes, other tensors
+        self._firsts: list[weakref.ref] = []  # every call's input, a tensor once per call that receives it
+        self._attributed: list[tuple[Any, int]] = []  # each counted call's input (weakly) and its bytes
+        # owner, key, input bytes, the input (weakly), the other tensors: (storage, bytes, an own activation, a view
+        # of the input's storage)
+        self._recorded: list[tuple[str, int, int, Any, list[tuple[int, int, bool, bool]]]] = []
         self._storages: dict[int, int] = {}  # storage -> calls that receive it
         # Every tensor recorded, held until :meth:`finish`: a storage freed within the step (an input offloaded to
         # the host) may have its address taken by a later tensor, which would then count as the same storage.
@@ -159,22 +181,36 @@ class CheckpointCalls:
         if not torch.is_grad_enabled():
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self._held.extend(tensors)
+        self._held.extend(_untyped(t) for t in tensors) if self.held else self._held.extend(tensors)
         for storage in {_storage(t) for t in tensors}:
             self._storages[storage] = self._storages.get(storage, 0) + 1
         tensor = tensors[0] if tensors else None
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        if tensor is not None:
+            self._firsts.append(weakref.ref(tensor))
         if tensor is not None and any(ref() is tensor for ref in self._seen):
             return
         if tensor is not None:
             self._seen.append(weakref.ref(tensor))
-        self._recorded.append((_owner_name(function), id(_owner(function) or function), nbytes, tensors[1:]))
+        first = _storage(tensor) if tensor is not None else None
+        others = [
+            (_storage(t), t.numel() * t.element_size(), _own(t), _storage(t) == first and _view(t))
+            for t in tensors[1:]
+            if t is not tensor
+        ]
+        alive = weakref.ref(tensor) if tensor is not None else (lambda: None)
+        self._recorded.append((_owner_name(function), id(_owner(function) or function), nbytes, alive, others))
 
     def finish(self) -> None:
         """Count what was recorded: a second tensor is a layer's own where no other call received its storage."""
-        for name, key, nbytes, others in self._recorded:
-            own = sum(t.numel() * t.element_size() for t in others if _own(t) and self._storages[_storage(t)] == 1)
+        for name, key, nbytes, alive, others in self._recorded:
+            if self.held and alive() is None:  # nothing holds it through the backward
+                self.calls.append((name, 0))
+                continue
+            own = sum(n for storage, n, whole, _ in others if whole and self._storages[storage] == 1)
+            own += sum(n for _, n, _, view in others if view and self.held)
             self.extras += own
+            self._attributed.append((alive, nbytes + own))
             self.calls.append((name, nbytes + own))
             self.per_module[key] = self.per_module.get(key, 0) + nbytes + own
         self._recorded, self._storages, self._held = [], {}, []
@@ -195,6 +231,12 @@ class CheckpointCalls:
             for name, original, _ in patched:
                 setattr(cp, name, original)
             self.finish()
+
+    def left(self, inputs: list[Any]) -> int:
+        """The bytes counted for the calls whose input is one of ``inputs`` (the calls of a layer autooffload
+        leaves), less those of an input another call received too (a layer inside it, which moves it)."""
+        alone = [t for t in inputs if sum(ref() is t for ref in self._firsts) == 1]
+        return sum(n for ref, n in self._attributed if any(ref() is t for t in alone))
 
     @property
     def bytes(self) -> int:
