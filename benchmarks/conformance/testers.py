@@ -32,9 +32,9 @@ import os
 import sys
 import traceback
 import types
-import weakref
 import unittest
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
