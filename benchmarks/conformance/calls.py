@@ -22,14 +22,6 @@ def _storage(tensor: Any) -> int:
         return id(tensor)
 
 
-def _untyped(tensor: Any) -> Any:
-    """What holds a tensor's address without holding the tensor: its storage (itself where it has none)."""
-    try:
-        return tensor.untyped_storage()
-    except Exception:
-        return tensor
-
-
 def _view(tensor: Any) -> bool:
     """A floating-point activation that requires grad (a view of a layer input's storage that the layer receives)."""
     return tensor.is_floating_point() and tensor.requires_grad
@@ -72,7 +64,7 @@ def _owner_name(function: Any) -> str:
 NON_REENTRANT = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
 
 
-def _wrap_generator(original: Any, record: Any) -> Any:
+def _wrap_generator(original: Any, record: Any, scope: Any = None) -> Any:
     """A wrapper of a non-reentrant entry point that records ``(fn, args)``, whatever its signature: ``args`` is
     its parameter of that name (a ``*args`` in 2.13, a tuple in 2.14), bound to the call as the original would."""
     import inspect
@@ -83,19 +75,28 @@ def _wrap_generator(original: Any, record: Any) -> Any:
         bound = signature.bind(*call_args, **call_kwargs)
         function = call_args[0] if call_args else call_kwargs.get("fn")
         record(function, tuple(bound.arguments.get("args", ())))
-        return original(*call_args, **call_kwargs)
+        generator = original(*call_args, **call_kwargs)
+        if scope is None:
+            return generator
+
+        def inside() -> Any:  # the checkpointed forward runs between the generator's first and last step
+            with scope():
+                yield from generator
+
+        return inside()
 
     return watched
 
 
-def _wrap_function_class(original: Any, record: Any) -> Any:
+def _wrap_function_class(original: Any, record: Any, scope: Any = None) -> Any:
     """A stand-in for ``CheckpointFunction`` (the reentrant path) whose ``apply(fn, preserve, *args)`` records."""
 
     class WatchedFunction:
         @staticmethod
         def apply(fn: Any, preserve: Any, *args: Any) -> Any:
             record(fn, args)
-            return original.apply(fn, preserve, *args)
+            with scope() if scope is not None else contextlib.nullcontext():
+                return original.apply(fn, preserve, *args)
 
     return WatchedFunction
 
@@ -156,11 +157,12 @@ class CheckpointCalls:
     loop) is seen, without reading autooffload. What is shared is known at the end: :meth:`finish` counts."""
 
     def __init__(self, held: bool = False) -> None:
-        # ``held``: count what the checkpoint holds through the backward: a call whose input does not outlive the
-        # forward counts nothing (a layer inside an outer non-reentrant checkpoint, other than the first: the outer
-        # one recomputes it, nothing keeps it), and a view of the input's storage the call also receives counts as
-        # the layer's (LUKE's entity states beside its word states). The testers' source (:mod:`.testers`) uses it.
+        # ``held``: count what the checkpoints hold through the backward: a call inside another checkpointed call
+        # counts nothing (a layer inside an outer non-reentrant checkpoint: the outer one keeps only its own input and
+        # recomputes the rest), and a view of the input's storage the call also receives counts as the layer's
+        # (LUKE's entity states beside its word states). The testers' source (:mod:`.testers`) uses it.
         self.held = held
+        self.depth = 0  # checkpointed calls running now
         self.calls: list[tuple[str, int]] = []
         self.per_module: dict[int, int] = {}  # bytes of every call of one module (a layer called twice: both)
         self.extras = 0  # bytes of second activations of a layer's own, among those of ``calls``
@@ -181,14 +183,14 @@ class CheckpointCalls:
         if not torch.is_grad_enabled():
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self._held.extend(_untyped(t) for t in tensors) if self.held else self._held.extend(tensors)
+        self._held.extend(tensors)
         for storage in {_storage(t) for t in tensors}:
             self._storages[storage] = self._storages.get(storage, 0) + 1
         tensor = tensors[0] if tensors else None
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
         if tensor is not None:
             self._firsts.append(weakref.ref(tensor))
-        if tensor is not None and any(ref() is tensor for ref in self._seen):
+        if (tensor is not None and any(ref() is tensor for ref in self._seen)) or (self.held and self.depth):
             return
         if tensor is not None:
             self._seen.append(weakref.ref(tensor))
@@ -204,9 +206,6 @@ class CheckpointCalls:
     def finish(self) -> None:
         """Count what was recorded: a second tensor is a layer's own where no other call received its storage."""
         for name, key, nbytes, alive, others in self._recorded:
-            if self.held and alive() is None:  # nothing holds it through the backward
-                self.calls.append((name, 0))
-                continue
             own = sum(n for storage, n, whole, _ in others if whole and self._storages[storage] == 1)
             own += sum(n for _, n, _, view in others if view and self.held)
             self.extras += own
@@ -224,7 +223,7 @@ class CheckpointCalls:
 
         patched = [(name, getattr(cp, name), make) for name, make in checkpoint_entry_points()]
         for name, original, make in patched:
-            setattr(cp, name, make(original, self.record))
+            setattr(cp, name, make(original, self.record, self._inside))
         try:
             yield self
         finally:
@@ -237,6 +236,14 @@ class CheckpointCalls:
         leaves), less those of an input another call received too (a layer inside it, which moves it)."""
         alone = [t for t in inputs if sum(ref() is t for ref in self._firsts) == 1]
         return sum(n for ref, n in self._attributed if any(ref() is t for t in alone))
+
+    @contextlib.contextmanager
+    def _inside(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
     @property
     def bytes(self) -> int:
