@@ -151,6 +151,7 @@ class LayerCalls:
         self.functions: list[Callable[..., Any]] = [plain] * target.size
         self.beyond = plain
         self.count = 0
+        self.ran = False  # its module ran in training, with grad, since the attached model's last forward ended
 
     def next(self) -> Callable[..., Any]:
         index = self.count

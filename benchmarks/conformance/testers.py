@@ -271,7 +271,11 @@ def _scenario(model_class: type, config: Any, inputs: dict[str, Any], wrap: bool
         trace = traceback.format_exc()[-1500:]
         return {"outcome": f"crash: {type(error).__name__}: {str(error)[:300]}", "traceback": trace}
     differ = _differ(plain, on)
-    found = {"outcome": f"wrong: {differ}" if differ else "correct", "measured": plain.measured, "moved": on.moved}
+    outcome = f"wrong: {differ}" if differ else "correct"
+    said = sorted(set(on.warned))
+    if differ and differ.startswith("moved") and on.moved == 0 and said and all("container-silent" in w for w in said):
+        outcome = f"plain-with-warning: {' | '.join(said)[:300]}"  # it cannot steer them, and says so
+    found = {"outcome": outcome, "measured": plain.measured, "moved": on.moved}
     return {**found, "forwards": on.forwards} if wrap else found
 
 
@@ -368,7 +372,7 @@ def _upstream_verdict(checks: dict[str, str]) -> dict[str, str]:
 
 def _verdict(row: dict[str, Any]) -> dict[str, str]:
     """The row's verdict: a crash or a wrong scenario, or a check that fails only with autooffload, decides it."""
-    found: dict[str, list[str]] = {"crash": [], "wrong": [], "skipped": [], "correct": []}
+    found: dict[str, list[str]] = {"crash": [], "wrong": [], "skipped": [], "correct": [], "plain-with-warning": []}
     for name, scenarios in row["classes"].items():
         pairs = [("", scenarios)] if isinstance(scenarios, str) else [(s, v["outcome"]) for s, v in scenarios.items()]
         for scenario, outcome in pairs:
@@ -381,6 +385,8 @@ def _verdict(row: dict[str, Any]) -> dict[str, str]:
     for verdict in ("crash", "wrong"):
         if found[verdict]:
             return {"verdict": verdict, "reason": f"{len(found[verdict])}: " + " || ".join(found[verdict])[:600]}
+    if found["plain-with-warning"]:
+        return {"verdict": "plain-with-warning", "reason": " || ".join(found["plain-with-warning"])[:600]}
     if not found["correct"]:
         return {"verdict": "skipped", "reason": " || ".join(found["skipped"])[:600]}
     skipped = f"{len(found['skipped'])} skipped: " + " || ".join(found["skipped"])[:300] if found["skipped"] else ""
