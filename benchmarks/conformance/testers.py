@@ -273,7 +273,8 @@ def _scenario(model_class: type, config: Any, inputs: dict[str, Any], wrap: bool
     differ = _differ(plain, on)
     outcome = f"wrong: {differ}" if differ else "correct"
     said = sorted(set(on.warned))
-    if differ and differ.startswith("moved") and on.moved == 0 and said and all("container-silent" in w for w in said):
+    moved_none = differ and (differ.startswith("moved") or (differ.startswith("warned") and not plain.measured))
+    if moved_none and on.moved == 0 and said and all("container-silent" in w for w in said):
         outcome = f"plain-with-warning: {' | '.join(said)[:300]}"  # it cannot steer them, and says so
     found = {"outcome": outcome, "measured": plain.measured, "moved": on.moved}
     return {**found, "forwards": on.forwards} if wrap else found
