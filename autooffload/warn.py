@@ -24,6 +24,7 @@ ANCHORS = {
     "simulated-peak": "simulated-peak",
     "no-tokens": "no-tokens",
     "container-calls": "container-calls",
+    "container-silent": "container-silent",
     "stacks-apart": "stacks-apart",
     "stack-length": "stack-length",
     "keyword-input": "keyword-input",

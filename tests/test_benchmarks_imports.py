@@ -20,7 +20,7 @@ LAYERS = (
     ("tiny", "calls", "media_batches", "upstream"),
     ("quirks",),
     ("models", "steps"),
-    ("rows",),
+    ("rows", "testers"),
     ("sweep", "report"),
     ("__main__", "__init__"),
 )

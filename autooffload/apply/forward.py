@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..observe.saved import storage_key
 from ..observe.sources import input_shape
 from ..observe.targets import CheckpointTarget
 from .layer_inputs import LayerCall, LayerInputs
@@ -127,7 +128,16 @@ class ForwardState:
 
 
 def _nbytes(tensors: Any) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    """The bytes the engines move for ``tensors``: each storage once, whole (a view moves as its storage, with the
+    other views of it the call saves: LUKE's entity states beside its word states), by :func:`storage_key`."""
+    sizes: dict[Any, int] = {}
+    for tensor in tensors:
+        key = storage_key(tensor)
+        try:
+            sizes[key if key is not None else id(tensor)] = tensor.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+            sizes[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(sizes.values())
 
 
 class LayerCalls:
@@ -141,6 +151,7 @@ class LayerCalls:
         self.functions: list[Callable[..., Any]] = [plain] * target.size
         self.beyond = plain
         self.count = 0
+        self.ran = False  # its module ran in training, with grad, since the attached model's last forward ended
 
     def next(self) -> Callable[..., Any]:
         index = self.count

@@ -51,6 +51,11 @@ RESUME_AFTER = 8
 RESTART = in_step("a container's restart")
 
 
+def _checkpoints_inside(module: torch.nn.Module) -> bool:
+    """Does a module inside ``module`` checkpoint (a block under a function autooffload leaves, a test's wrapper)?"""
+    return any(getattr(m, "gradient_checkpointing", False) for m in module.modules() if m is not module)
+
+
 def _slot_module(slot: Any) -> torch.nn.Module:
     """The module a planned layer runs: the target itself, or a container's block ``slot.index``."""
     target = slot.target
@@ -299,13 +304,24 @@ class CheckpointSwitch:
         rescue reruns), so a tensor the layers after would have received looks like one layer's own."""
         own = self.forward.abandon() if raised else self.forward.settle()
         self.engine.settle(own)
+        for calls in self._calls.values():
+            target = calls.target  # CLVP's conditioning encoder calls torch's checkpoint itself, its encoders none
+            if calls.ran and calls.count == 0 and not raised and not _checkpoints_inside(target.module):
+                name = target.name or type(target.module).__name__
+                self.warn(f"container-silent:{target.name}", f"{name} ran in training without calling its checkpoint "
+                          f"function: its {len(calls.functions)} layer(s) run without it (checkpointed by torch's "
+                          "checkpoint called directly, or not at all); nothing of them is offloaded")  # fmt: skip
+            calls.ran = False
 
     def _container_forward(self, calls: LayerCalls) -> Callable[..., None]:
         """A pre-forward hook on the container itself: its calls count from layer 0 at each of its forwards,
         also when something calls it without the attached model (TRL's Liger-loss paths call ``model.model``)."""
-        return self.faults.shield(
-            RESTART, lambda module, args: self._restart(calls), lambda module, args: setattr(calls, "count", 0)
-        )
+
+        def restart(module: torch.nn.Module, args: Any) -> None:
+            self._restart(calls)
+            calls.ran = calls.ran or (module.training and torch.is_grad_enabled())
+
+        return self.faults.shield(RESTART, restart, lambda module, args: setattr(calls, "count", 0))
 
     def _restart(self, calls: LayerCalls) -> None:
         if calls.count > len(calls.functions):

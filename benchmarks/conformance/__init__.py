@@ -10,7 +10,8 @@ never above (tests/test_benchmarks_imports.py holds it to that, and to no import
 2. ``quirks`` (what one model type needs that the generic tiny config and batch cannot guess; ``registry`` and
    ``tokens`` under the modality modules ``text``, ``speech``, ``vision*``).
 3. ``models`` (tiny config, model and text batch of one type), ``steps`` (one plain, on or partial training step).
-4. ``rows`` (one type built, run and judged: :func:`~.rows.check_type`).
+4. ``rows`` (one type built, run and judged: :func:`~.rows.check_type`), ``testers`` (the other source: one type's
+   own ``ModelTester`` configs and inputs from transformers' test tree, :func:`~.testers.check_tester`).
 5. ``sweep`` (every type, each in a forked child), ``report`` (``conformance.json`` and ``conformance.md``).
 6. ``__main__`` (the command line).
 

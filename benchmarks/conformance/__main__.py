@@ -10,6 +10,11 @@ the sweep's own hooks on torch's checkpoint entry points, not with autooffload's
 ``check_training_gradient_checkpointing`` judges every row a second time (``--no-upstream`` leaves it out,
 ``--transformers-sdist PATH`` names the sdist it is read from). What each row checks and each verdict means:
 docs/conformance.md.
+
+``--source testers`` runs the other source instead: every model type with a ``ModelTester`` in transformers' test
+tree, trained with that tester's own config and inputs, each model class of its test, with and without a counting
+wrapper on the first layer's function, ``use_reentrant`` True and False, plain against autooffload ``on``, and
+transformers' own check class by class (:mod:`.testers`; ``--transformers-tests DIR`` names the tree).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 from .report import VERDICTS, write_tables
 from .rows import UPSTREAM, check_type
 from .sweep import model_types, sweep
+from .testers import TESTERS, check_tester, tester_types
 from .tiny import MAPPINGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,18 +50,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="types run at once")
     parser.add_argument("--no-upstream", action="store_true", help="do not run transformers' own checkpointing test")
     parser.add_argument("--transformers-sdist", help="the installed transformers' sdist (.tar.gz or unpacked)")
+    parser.add_argument(
+        "--source",
+        choices=("tiny", "testers"),
+        default="tiny",
+        help="the sweep's own tiny models, or each model tester's config and inputs from transformers' test tree",
+    )
+    parser.add_argument("--transformers-tests", help="transformers' test tree for --source testers (DIR/tests/models)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--mapping", default="causal", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    UPSTREAM.update(run=not args.no_upstream, sdist=args.transformers_sdist)
+    UPSTREAM.update(run=not args.no_upstream and args.source == "tiny", sdist=args.transformers_sdist)
+    TESTERS.update(tree=args.transformers_tests, upstream=not args.no_upstream)
     if args.one:
-        print(json.dumps(check_type(args.one, args.mapping), default=str))
+        one = check_tester(args.one) if args.source == "testers" else check_type(args.one, args.mapping)
+        print(json.dumps(one, default=str))
         return 0
-    mappings = args.mappings.split(",")
-    pairs = model_types(mappings)
+    mappings = args.mappings.split(",") if args.source == "tiny" else ["testers"]
+    pairs = model_types(mappings) if args.source == "tiny" else [(t, "testers") for t in tester_types(TESTERS["tree"])]
     if args.types:
-        wanted = args.types.split(",")
+        wanted = [t.replace("-", "_") if args.source == "testers" else t for t in args.types.split(",")]
         pairs = sorted((p for p in pairs if p[0] in wanted), key=lambda p: wanted.index(p[0]))  # in the order given
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []

@@ -16,6 +16,11 @@ def _storage(tensor: Any) -> int:
         return id(tensor)
 
 
+def _view(tensor: Any) -> bool:
+    """A floating-point activation that requires grad (a view of a layer input's storage that the layer receives)."""
+    return tensor.is_floating_point() and tensor.requires_grad
+
+
 def _own(tensor: Any) -> bool:
     """An activation with a storage of its own: floating-point, requiring grad, the whole of its storage."""
     try:
@@ -53,7 +58,7 @@ def _owner_name(function: Any) -> str:
 NON_REENTRANT = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
 
 
-def _wrap_generator(original: Any, record: Any) -> Any:
+def _wrap_generator(original: Any, record: Any, scope: Any = None) -> Any:
     """A wrapper of a non-reentrant entry point that records ``(fn, args)``, whatever its signature: ``args`` is
     its parameter of that name (a ``*args`` in 2.13, a tuple in 2.14), bound to the call as the original would."""
     import inspect
@@ -64,19 +69,28 @@ def _wrap_generator(original: Any, record: Any) -> Any:
         bound = signature.bind(*call_args, **call_kwargs)
         function = call_args[0] if call_args else call_kwargs.get("fn")
         record(function, tuple(bound.arguments.get("args", ())))
-        return original(*call_args, **call_kwargs)
+        generator = original(*call_args, **call_kwargs)
+        if scope is None:
+            return generator
+
+        def inside() -> Any:  # the checkpointed forward runs between the generator's first and last step
+            with scope():
+                yield from generator
+
+        return inside()
 
     return watched
 
 
-def _wrap_function_class(original: Any, record: Any) -> Any:
+def _wrap_function_class(original: Any, record: Any, scope: Any = None) -> Any:
     """A stand-in for ``CheckpointFunction`` (the reentrant path) whose ``apply(fn, preserve, *args)`` records."""
 
     class WatchedFunction:
         @staticmethod
         def apply(fn: Any, preserve: Any, *args: Any) -> Any:
             record(fn, args)
-            return original.apply(fn, preserve, *args)
+            with scope() if scope is not None else contextlib.nullcontext():
+                return original.apply(fn, preserve, *args)
 
     return WatchedFunction
 
@@ -136,12 +150,22 @@ class CheckpointCalls:
     ``torch.utils.checkpoint.checkpoint`` dispatches to, so any caller (transformers, autooffload, a container's
     loop) is seen, without reading autooffload. What is shared is known at the end: :meth:`finish` counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: bool = False) -> None:
+        # ``held``: count what the checkpoints hold through the backward: a call inside another checkpointed call
+        # counts nothing (a layer inside an outer non-reentrant checkpoint: the outer one keeps only its own input and
+        # recomputes the rest), and a view of the input's storage the call also receives counts as the layer's
+        # (LUKE's entity states beside its word states). The testers' source (:mod:`.testers`) uses it.
+        self.held = held
+        self.depth = 0  # checkpointed calls running now
         self.calls: list[tuple[str, int]] = []
         self.per_module: dict[int, int] = {}  # bytes of every call of one module (a layer called twice: both)
         self.extras = 0  # bytes of second activations of a layer's own, among those of ``calls``
         self._seen: list[weakref.ref] = []
-        self._recorded: list[tuple[str, int, int, list[Any]]] = []  # owner, key, input bytes, other tensors
+        self._firsts: list[weakref.ref] = []  # every call's input, a tensor once per call that receives it
+        self._attributed: list[tuple[Any, int]] = []  # each counted call's input (weakly) and its bytes
+        # owner, key, input bytes, the input (weakly), the other tensors: (storage, bytes, an own activation, a view
+        # of the input's storage)
+        self._recorded: list[tuple[str, int, int, Any, list[tuple[int, int, bool, bool]]]] = []
         self._storages: dict[int, int] = {}  # storage -> calls that receive it
         # Every tensor recorded, held until :meth:`finish`: a storage freed within the step (an input offloaded to
         # the host) may have its address taken by a later tensor, which would then count as the same storage.
@@ -158,17 +182,28 @@ class CheckpointCalls:
             self._storages[storage] = self._storages.get(storage, 0) + 1
         tensor = tensors[0] if tensors else None
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
-        if tensor is not None and any(ref() is tensor for ref in self._seen):
+        if tensor is not None:
+            self._firsts.append(weakref.ref(tensor))
+        if (tensor is not None and any(ref() is tensor for ref in self._seen)) or (self.held and self.depth):
             return
         if tensor is not None:
             self._seen.append(weakref.ref(tensor))
-        self._recorded.append((_owner_name(function), id(_owner(function) or function), nbytes, tensors[1:]))
+        first = _storage(tensor) if tensor is not None else None
+        others = [
+            (_storage(t), t.numel() * t.element_size(), _own(t), _storage(t) == first and _view(t))
+            for t in tensors[1:]
+            if t is not tensor
+        ]
+        alive = weakref.ref(tensor) if tensor is not None else (lambda: None)
+        self._recorded.append((_owner_name(function), id(_owner(function) or function), nbytes, alive, others))
 
     def finish(self) -> None:
         """Count what was recorded: a second tensor is a layer's own where no other call received its storage."""
-        for name, key, nbytes, others in self._recorded:
-            own = sum(t.numel() * t.element_size() for t in others if _own(t) and self._storages[_storage(t)] == 1)
+        for name, key, nbytes, alive, others in self._recorded:
+            own = sum(n for storage, n, whole, _ in others if whole and self._storages[storage] == 1)
+            own += sum(n for _, n, _, view in others if view and self.held)
             self.extras += own
+            self._attributed.append((alive, nbytes + own))
             self.calls.append((name, nbytes + own))
             self.per_module[key] = self.per_module.get(key, 0) + nbytes + own
         self._recorded, self._storages, self._held = [], {}, []
@@ -182,13 +217,27 @@ class CheckpointCalls:
 
         patched = [(name, getattr(cp, name), make) for name, make in checkpoint_entry_points()]
         for name, original, make in patched:
-            setattr(cp, name, make(original, self.record))
+            setattr(cp, name, make(original, self.record, self._inside))
         try:
             yield self
         finally:
             for name, original, _ in patched:
                 setattr(cp, name, original)
             self.finish()
+
+    def left(self, inputs: list[Any]) -> int:
+        """The bytes counted for the calls whose input is one of ``inputs`` (the calls of a layer autooffload
+        leaves), less those of an input another call received too (a layer inside it, which moves it)."""
+        alone = [t for t in inputs if sum(ref() is t for ref in self._firsts) == 1]
+        return sum(n for ref, n in self._attributed if any(ref() is t for t in alone))
+
+    @contextlib.contextmanager
+    def _inside(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
     @property
     def bytes(self) -> int:

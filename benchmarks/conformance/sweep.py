@@ -32,7 +32,12 @@ def model_types(mappings: list[str]) -> list[tuple[str, str]]:
 def _child_row(model_type: str, mapping: str, path: Path) -> None:
     """In a forked child: judge one type, write its row to ``path``, and leave without cleanup."""
     try:
-        row = check_type(model_type, mapping)
+        if mapping == "testers":
+            from .testers import check_tester
+
+            row = check_tester(model_type)
+        else:
+            row = check_type(model_type, mapping)
     except BaseException as error:  # anything the sweep itself hits is that type's crash
         row = {"type": model_type, "mapping": mapping, "verdict": "crash", "reason": f"{type(error).__name__}: {error}"}
     path.write_text(json.dumps(row, default=str))
@@ -48,6 +53,12 @@ def sweep(pairs: list[tuple[str, str]], timeout: float, jobs: int, scratch: Path
     import torch  # noqa: F401 - imported once here, shared by every fork
     import transformers
 
+    if any(mapping == "testers" for _, mapping in pairs):  # the test tree's common modules, imported once
+        from . import testers
+
+        with contextlib.suppress(Exception):  # each row says why not
+            testers.prepare(testers.tree_path(testers.TESTERS["tree"]))
+            __import__("tests.test_modeling_common")
     if UPSTREAM["run"]:  # transformers' own test, read and compiled once, shared too
         from . import upstream
 
