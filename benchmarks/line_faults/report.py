@@ -24,6 +24,37 @@ PASSING_ON = (
     "return function(*inner_args, **inner_kwargs)",
 )
 
+# Lines of autooffload's own that this run found failing and that are not fixed yet (issue 49, open): a file's line by
+# its text. The host memory manager's loan bookkeeping changes two counts or a count and a list in separate lines;
+# keep's measuring checkpoint function, the saved-bytes counter and the rescue's wrapper run unshielded lines of ours
+# inside the user's call. Listed, each run still reports them; tests/test_line_faults.py fails on any other.
+OPEN = {
+    "autooffload/apply/host_memory.py": (
+        "if buffer is None and fits and fits[0] in free:",
+        "return buffer",
+        "buffer.last_step = self.step",
+        "self._free[buffer.device].remove(buffer)",
+        "self.lent_bytes += buffer.nbytes",
+        "self.allocations += 1",
+        "self.held_bytes += size",
+        "self.lent_bytes += size if lent else 0",
+        "self.pinned_bytes += size if buffer.pinned else 0",
+        "self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)",
+        "self._count_new(buffer, size, lent=True)",
+        'self.syncs += 2 if not pinned and device.type == "cuda" else 0',
+    ),
+    "autooffload/apply/keep.py": (
+        "if done or not torch.is_grad_enabled():",
+        "end_marks(mark, output)",
+        "end(measure, counter)",
+    ),
+    "autooffload/observe/saved.py": ("return self",),
+    "autooffload/rescue.py": (
+        "owner = controller() if callable(controller) else controller",
+        "owner.faults.shield(STEP_START, remember, forget)()",
+    ),
+}
+
 
 @functools.cache
 def _text(commit: str | None, path: str) -> tuple[str, ...]:
@@ -42,8 +73,11 @@ def source(line: str, commit: str | None = None) -> str:
 
 def kind(line: str, run: dict[str, Any]) -> str:
     """A failure's kind: "try" (a ``try:`` line: a no-op, whose injected exception is raised before the handler it
-    opens, the one line of each guard no code of its own can cover), "passes on" (:data:`PASSING_ON`) or ""."""
+    opens, the one line of each guard no code of its own can cover), "passes on" (:data:`PASSING_ON`), "open" (a
+    known failure not fixed yet: :data:`OPEN`) or ""."""
     code = source(line, run.get("commit")).split("#")[0].strip()
+    if code in OPEN.get(line.split(":")[0], ()):
+        return "open"
     return "try" if code == "try:" else "passes on" if code in PASSING_ON else ""
 
 
@@ -67,7 +101,8 @@ def counts(runs: dict[str, dict]) -> dict[str, int]:
         "survived": sum(r["survived"] for r in runs.values()),
         "survived, warned once": sum(r["survived"] and any(r["warnings"]) for r in fired),
         "survived, no warning (an inner handler took it)": sum(r["survived"] and not any(r["warnings"]) for r in fired),
-        "failed, autooffload's own work": sum(not k for k in failed.values()),
+        "failed, autooffload's own work": sum(k in ("", "open") for k in failed.values()),
+        "of which known and open (report.OPEN)": sum(k == "open" for k in failed.values()),
         "failed at a `try:` line (runs nothing)": sum(k == "try" for k in failed.values()),
         "failed at a line that passes the call on": sum(k == "passes on" for k in failed.values()),
         "raised in a finalizer (Python ignores it)": sum(bool(r.get("unraisable")) for r in runs.values()),
