@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -103,8 +104,11 @@ def write_docs() -> None:
 
 
 def lock_lines() -> list[str]:
-    """This environment's installed distributions as ``name==version`` lines, sorted (autooffload and pip left out)."""
-    installed = {canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    """This environment's installed distributions as ``name==version`` lines, sorted (autooffload and pip left out):
+    those in its own site-packages, not those a path added at run time holds (the testers' own test dependencies)."""
+    site = sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
+    found = metadata.distributions(path=site)
+    installed = {canonical(d.metadata["Name"]): d.version for d in found if d.metadata["Name"]}
     return [f"{name}=={version}" for name, version in sorted(installed.items()) if name not in UNLOCKED]
 
 
